@@ -1,0 +1,395 @@
+"""Typed run configuration: YAML in `config/`, `--set section.key=value` overrides, validated at load.
+
+Every setting has one home here, with its one-line doc as the attribute docstring (shown by
+`docuchat-rl config --explain`). Derived values (rows per step, the number of optimizer steps per
+rollout) are properties computed from the fields, never stored twice. Any error (unknown key, wrong
+type, impossible combination) is raised as one `ConfigError` line naming the key and what is allowed.
+
+Deliberately left out: config inheritance (`defaults:` lists) and environment-variable interpolation;
+a recipe is one readable file plus `--set` overrides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .data import DEFAULT_SYSTEM_PROMPT
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line naming the key at fault."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name_or_path: str = "data/model"
+    """Local folder or hub id of any causal LM (default: the embedded tiny model)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when loading from the hub."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weights dtype; auto = float32 on CPU, bfloat16 on GPUs that support it, else float16."""
+    device: str = "auto"
+    """Torch device (auto, cpu, cuda, cuda:1, ...)."""
+    trust_remote_code: bool = False
+    """Run model code shipped with a hub repository (off unless you trust it)."""
+
+
+class LoraConfig(Section):
+    r: int = Field(16, ge=1)
+    """LoRA rank."""
+    alpha: float = Field(32.0, gt=0)
+    """LoRA scaling numerator (scale = alpha / r)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input (0 keeps rollouts and updates on the same function)."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names to adapt, or all-linear for every linear layer but the output head."""
+
+
+class DataConfig(Section):
+    train: str = "data/task/train.jsonl"
+    """Training prompts: a .jsonl/.csv/.parquet file or a hub data set name."""
+    train_split: str = "train"
+    """Split of a hub data set used for training."""
+    test: str | None = "data/task/test.jsonl"
+    """Held-out prompts for eval (file or hub name); null skips evaluation."""
+    test_split: str = "test"
+    """Split of a hub data set used for eval."""
+    subset: str | None = None
+    """Hub data set configuration name (e.g. main for openai/gsm8k)."""
+    revision: str | None = None
+    """Hub data set revision."""
+    prompt_column: str = "question"
+    """Column holding the prompt text."""
+    answer_column: str = "answer"
+    """Column holding the gold answer (GSM8K '#### N' endings are reduced to N)."""
+    system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
+    """System message put before every prompt through the chat template (null for none)."""
+    max_prompt_tokens: int = Field(512, ge=1)
+    """Prompts longer than this (in tokens) are an error naming the row."""
+
+
+class RolloutConfig(Section):
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts (P) sampled per training step."""
+    num_generations: int = Field(8, ge=1)
+    """Completions (G) sampled per prompt: the group size."""
+    max_new_tokens: int = Field(64, ge=1)
+    """Longest completion in tokens; longer ones are cut and flagged truncated."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0 = off)."""
+    generation_batch_size: int = Field(64, ge=1)
+    """Most completion rows per generate call (memory bound); a step uses ceil(P*G / this) calls."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill."""
+    max_resample_rounds: int = Field(4, ge=1)
+    """Most extra sampling rounds per step when dynamic sampling cannot fill the batch."""
+
+    @property
+    def batch_rows(self) -> int:
+        """Completions per step (P * G)."""
+        return self.prompts_per_step * self.num_generations
+
+
+class AlgorithmConfig(Section):
+    name: str = "grpo"
+    """Registered algorithm (grpo; see `docuchat-rl config --algorithms`)."""
+    scale: Literal["group", "batch", "none"] = "group"
+    """Advantage scaling: divide by the group's std, the batch's std, or not at all (Dr. GRPO)."""
+    loss_aggregation: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    """grpo: mean of per-sequence token means; dapo: mean over all tokens; dr_grpo: sum / (rows * max_new_tokens)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or per sequence as the exp of the mean token log-ratio (GSPO)."""
+    epsilon_low: float = Field(0.2, ge=0)
+    """Lower clip range: ratios below 1 - epsilon_low are clipped."""
+    epsilon_high: float = Field(0.2, ge=0)
+    """Upper clip range: ratios above 1 + epsilon_high are clipped (DAPO clip-higher uses 0.28)."""
+    beta: float = Field(0.0, ge=0)
+    """KL penalty weight against the reference (adapter-disabled) model, k3 estimator; 0 skips it."""
+    num_iterations: int = Field(1, ge=1)
+    """Policy updates (mu) per rollout, all against the log-probs recorded at rollout time."""
+    std_epsilon: float = Field(1e-4, gt=0)
+    """Added to the std before dividing the advantages."""
+
+
+class RewardSpec(Section):
+    name: str
+    """Registered reward name or a dotted path `package.module:function`."""
+    weight: float = 1.0
+    """Weight of this component in the total."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword parameters of this reward (see README's reward table)."""
+
+
+class RewardsConfig(Section):
+    components: list[RewardSpec] = Field(default_factory=lambda: [
+        RewardSpec(name="correctness", weight=1.0), RewardSpec(name="format", weight=0.2)])
+    """The selected rewards; YAML may give this list directly as `rewards: [...]`."""
+    strict: bool = False
+    """Raise on the first failing reward call instead of recording it and going on."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Per-call time limit of a reward on one batch; slower calls count as failed."""
+    accuracy_component: str | None = "correctness"
+    """Component whose raw score is reported as accuracy in logs (null: none)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _list_shorthand(cls, v):
+        return {"components": v} if isinstance(v, list) else v
+
+    @field_validator("components")
+    @classmethod
+    def _unique(cls, v: list[RewardSpec]) -> list[RewardSpec]:
+        names = [c.name for c in v]
+        if not v:
+            raise ValueError("at least one reward is needed")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a reward is listed twice: {names}")
+        return v
+
+
+class OptimConfig(Section):
+    name: Literal["adamw", "rmsprop"] = "adamw"
+    """Optimizer (rmsprop with alpha 0.99, eps 1e-5 is the classic A2C choice)."""
+    lr: float = Field(5e-4, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = Field(1e-8, gt=0)
+    """Optimizer epsilon."""
+    alpha: float = Field(0.99, gt=0, lt=1)
+    """RMSprop smoothing constant."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate shape after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup from 0."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm (null: no clipping)."""
+    minibatch_size: int | None = Field(None, ge=1)
+    """Completions per optimizer step; null = the whole rollout batch (one step per iteration)."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Completions per forward/backward; gradients accumulate up to minibatch_size."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(50, ge=1)
+    """Save a checkpoint every this many training steps (and always at the end)."""
+    keep_last: int = Field(3, ge=1)
+    """Checkpoints kept on disk; older ones are deleted after a new one is complete."""
+
+
+class LoggingConfig(Section):
+    progress: bool = True
+    """Show a progress bar."""
+    wandb: bool = False
+    """Log metrics to Weights & Biases (install the `wandb` extra)."""
+    wandb_project: str = "docuchat-rl"
+    """wandb project name."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    """wandb mode; offline writes runs locally for a later `wandb sync`."""
+
+
+class EvalConfig(Section):
+    limit: int | None = Field(None, ge=1)
+    """Evaluate on the first N held-out rows only (null: all)."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Completion length for eval (null: rollout.max_new_tokens)."""
+    pass_k: int = Field(0, ge=0)
+    """Also sample k completions per prompt and report pass@k (0 = greedy only)."""
+    batch_size: int = Field(128, ge=1)
+    """Prompts per generate call in eval."""
+    before_and_after: bool = True
+    """`train` evaluates the model before and after training."""
+
+
+class RunConfig(Section):
+    output_dir: str = "runs/default"
+    """Where checkpoints, metrics.jsonl and traces.jsonl go."""
+    steps: int = Field(200, ge=1)
+    """Training steps (one rollout + its updates each)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    threads: int | None = Field(None, ge=1)
+    """Torch CPU threads (null: torch's default)."""
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @property
+    def minibatch_rows(self) -> int:
+        return self.optim.minibatch_size or self.rollout.batch_rows
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        rows = self.rollout.batch_rows
+        if rows % self.minibatch_rows:
+            raise ValueError(f"optim.minibatch_size: {self.minibatch_rows} must divide the rollout batch "
+                             f"(prompts_per_step * num_generations = {rows})")
+        if self.minibatch_rows % min(self.optim.micro_batch_size, self.minibatch_rows):
+            raise ValueError(f"optim.micro_batch_size: {self.optim.micro_batch_size} must divide "
+                             f"the minibatch ({self.minibatch_rows} completions)")
+        return self
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def _one_line(err: ValidationError) -> str:
+    """The first pydantic error as 'key: message' (pydantic's own report is several lines)."""
+    e = err.errors()[0]
+    key = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        parent = _model_at(e["loc"][:-1])
+        allowed = sorted(parent.model_fields) if parent else []
+        return f"config key {key!r} is unknown; allowed here: {', '.join(allowed)}"
+    if e["type"] == "literal_error":
+        return f"config key {key!r}: {msg} (got {e.get('input')!r})"
+    if not key:  # a cross-field (model-level) check already names its key
+        return msg
+    return f"config key {key!r}: {msg} (got {e.get('input')!r})"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Config
+    for part in loc:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        inner = getattr(ann, "__args__", None)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        elif inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+            model = inner[0]  # list[RewardSpec]
+        else:
+            model = None
+    return model
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `a.b.c=value` to a raw config dict; the value is parsed as YAML (1e-3, true, [a, b]).
+
+    List entries are addressed by index or, for named entries, by name: `rewards.format.weight=0.5`
+    is short for `rewards.components.format.weight=0.5`.
+    """
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected section.key=value")
+    path, value = assignment.split("=", 1)
+    keys = path.strip().split(".")
+    parsed = yaml.safe_load(value) if value.strip() else ""
+    if keys[0] == "rewards":
+        raw["rewards"] = _rewards_mapping(raw.get("rewards"))
+        if len(keys) > 2 and keys[1] not in RewardsConfig.model_fields:
+            keys = ["rewards", "components", *keys[1:]]
+    node: Any = raw
+    for i, key in enumerate(keys[:-1]):
+        where = ".".join(keys[:i + 1])
+        node = _list_item(node, key, where) if isinstance(node, list) else node.setdefault(key, {})
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"--set {path}: {where} is a value, not a section")
+    if isinstance(node, list):
+        raise ConfigError(f"--set {path}: cannot replace an entry of {'.'.join(keys[:-1])}; set its fields")
+    node[keys[-1]] = parsed
+
+
+def _rewards_mapping(value: Any) -> dict:
+    """The `rewards` section in its mapping form, with the default components made explicit."""
+    if isinstance(value, list):
+        return {"components": value}
+    value = dict(value or {})
+    value.setdefault("components", [c.model_dump() for c in RewardsConfig().components])
+    return value
+
+
+def _list_item(items: list, key: str, where: str) -> dict:
+    """A list element by index or, for lists of named entries (rewards), by name."""
+    if key.isdigit() and int(key) < len(items):
+        return items[int(key)]
+    for item in items:
+        if isinstance(item, dict) and item.get("name") == key:
+            return item
+    names = [it.get("name") for it in items if isinstance(it, dict)]
+    raise ConfigError(f"--set {where}: no entry {key!r}; entries are {names} (or an index)")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read YAML (or the built-in defaults when path is None), apply overrides, validate."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    for assignment in overrides or []:
+        apply_override(raw, assignment)
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e)) from None
+    _check_registries(cfg)
+    return cfg
+
+
+def _check_registries(cfg: Config) -> None:
+    """Names that live in registries (algorithms, rewards) and what each algorithm demands."""
+    from rewards import RewardError, resolve_reward
+
+    from .algorithms import get_algorithm_class
+
+    try:
+        algo = get_algorithm_class(cfg.algorithm.name)
+    except KeyError as e:
+        raise ConfigError(f"config key 'algorithm.name': {e.args[0]}") from None
+    for i, spec in enumerate(cfg.rewards.components):
+        try:
+            resolve_reward(spec.name)
+        except RewardError as e:
+            raise ConfigError(f"config key 'rewards.components.{i}.name': {e}") from None
+    problem = algo.check_config(cfg)
+    if problem:
+        raise ConfigError(problem)
+
+
+def explain() -> str:
+    """Every key with its type, default and doc, section by section (for `docuchat-rl config --explain`)."""
+    lines = []
+    for section, field in Config.model_fields.items():
+        model = field.annotation
+        lines.append(f"{section}:")
+        for name, f in model.model_fields.items():
+            default = f.get_default(call_default_factory=True)
+            if isinstance(default, list) and default and isinstance(default[0], BaseModel):
+                default = [d.model_dump(exclude_defaults=True) for d in default]
+            lines.append(f"  {name} = {default!r}  # {f.description or ''}")
+    return "\n".join(lines)

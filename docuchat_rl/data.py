@@ -1,0 +1,126 @@
+"""Prompt/answer data: one loader on top of `datasets` for hub names and local JSONL/CSV/Parquet files.
+
+A data set is any table with a prompt column and an answer column (names set in config). GSM8K-style
+answers ("... #### 72") are reduced to their final answer for scoring; the full text stays available as
+`answer_text` for supervised targets. Prompts are rendered through the tokenizer's chat template with the
+configured system prompt.
+
+Deliberately left out: streaming data sets and multi-turn prompts (one user turn per prompt).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the problem. Think step by step inside <think> </think>, "
+    "then give the final answer inside <answer> </answer>."
+)
+LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+_CALC = re.compile(r"<<[^>]*>>")
+_HASHES = re.compile(r"####\s*(.+?)\s*$", re.S)
+
+
+class DataError(ValueError):
+    """A data set that cannot be used: the message names the file, split or column at fault."""
+
+
+def gsm8k_gold(answer: str) -> str:
+    """The final answer of a GSM8K answer text (after '####', commas removed); other text unchanged.
+
+    >>> gsm8k_gold("4 + 3 = <<4+3=7>>7\\n#### 7")
+    '7'
+    >>> gsm8k_gold("#### 1,000")
+    '1000'
+    >>> gsm8k_gold("Paris")
+    'Paris'
+    """
+    m = _HASHES.search(answer)
+    if not m:
+        return answer.strip()
+    return m.group(1).replace(",", "").strip()
+
+
+def reasoning_target(answer: str) -> str:
+    """A GSM8K answer as a `<think>…</think><answer>…</answer>` completion (calculator notes removed).
+
+    >>> reasoning_target("4 + 3 = <<4+3=7>>7\\n#### 7")
+    '<think>\\n4 + 3 = 7\\n</think>\\n<answer>7</answer>'
+    """
+    body = answer.split("####")[0]
+    lines = [_CALC.sub("", line).strip() for line in body.strip().splitlines() if line.strip()]
+    return "<think>\n" + "\n".join(lines) + "\n</think>\n<answer>" + gsm8k_gold(answer) + "</answer>"
+
+
+def render_prompt(tokenizer: Any, question: str, system_prompt: str | None) -> str:
+    """The model-ready prompt text: the chat template with the generation prompt appended."""
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": question})
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # A base model with no template: plain text, the system prompt as a preamble.
+    return (f"{system_prompt}\n\n" if system_prompt else "") + f"Question: {question}\nAnswer: "
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt of the data set as the trainer sees it."""
+
+    prompt_id: int  # row index in the (unshuffled) split
+    question: str
+    answer: str  # the gold final answer used for scoring
+    answer_text: str  # the full answer column
+
+
+def load_table(source: str, split: str, revision: str | None = None, subset: str | None = None):
+    """A `datasets.Dataset` from a local file (by extension) or a hub name. Errors name the source."""
+    import datasets
+
+    path = Path(source)
+    if path.suffix.lower() in LOCAL_FORMATS or path.exists():
+        if not path.exists():
+            raise DataError(f"data file not found: {source}")
+        if path.is_dir():
+            raise DataError(f"data path is a folder, expected a .jsonl/.csv/.parquet file: {source}")
+        fmt = LOCAL_FORMATS.get(path.suffix.lower())
+        if fmt is None:
+            raise DataError(f"unsupported data file type {path.suffix!r} for {source}; "
+                            f"use one of {sorted(LOCAL_FORMATS)}")
+        if path.stat().st_size == 0:
+            raise DataError(f"data file is empty: {source}")
+        try:
+            table = datasets.load_dataset(fmt, data_files=str(path), split="train")
+        except Exception as e:  # datasets wraps parser errors in many types
+            raise DataError(f"could not read {source} as {fmt}: {e}") from e
+    else:
+        try:
+            table = datasets.load_dataset(source, subset, revision=revision, split=split)
+        except Exception as e:
+            raise DataError(f"could not load data set {source!r} split {split!r}: {e}") from e
+    if len(table) == 0:
+        raise DataError(f"data set {source} (split {split}) has no rows")
+    return table
+
+
+def load_examples(source: str, split: str, prompt_column: str, answer_column: str,
+                  limit: int | None = None, revision: str | None = None,
+                  subset: str | None = None) -> list[Example]:
+    """Rows of a data set as `Example`s, in file order; missing columns fail naming them."""
+    table = load_table(source, split, revision, subset)
+    for role, col in (("prompt_column", prompt_column), ("answer_column", answer_column)):
+        if col not in table.column_names:
+            raise DataError(f"{source}: column {col!r} (data.{role}) not found; "
+                            f"columns are {table.column_names}")
+    if limit is not None:
+        table = table.select(range(min(limit, len(table))))
+    out = []
+    for i, row in enumerate(table):
+        q, a = row[prompt_column], row[answer_column]
+        if q is None or not str(q).strip():
+            raise DataError(f"{source}: row {i} has an empty {prompt_column!r}")
+        a = "" if a is None else str(a)
+        out.append(Example(prompt_id=i, question=str(q), answer=gsm8k_gold(a), answer_text=a))
+    return out

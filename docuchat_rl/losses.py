@@ -1,0 +1,93 @@
+"""Per-token log-probs, KL, clipped surrogate and loss aggregation: generic tensor functions.
+
+Conventions: R rows (completions), T completion positions; `mask` [R, T] is 1.0 on real completion
+tokens and 0.0 on padding. Every aggregate divides by a normaliser given by the caller for the WHOLE
+minibatch, so summing the losses of its micro-batches gives exactly the minibatch loss (gradient
+accumulation changes nothing).
+
+Deliberately left out: fused/chunked cross-entropy kernels (Unsloth-style); the logits of a micro-batch
+are materialised, and micro_batch_size bounds that memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[ids] without materialising the full log-softmax.
+
+    logits [R, T, V], ids [R, T] -> [R, T] (float32)
+    """
+    logits = logits.float()
+    picked = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [R, T]
+    return picked - torch.logsumexp(logits, dim=-1)  # [R, T]
+
+
+@torch.no_grad()
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of each position's distribution. logits [R, T, V] -> [R, T]"""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, T, V]
+    return -(logp.exp() * logp).sum(-1)  # [R, T]
+
+
+def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of KL(pi || ref) per token: exp(ref - pi) - (ref - pi) - 1, >= 0, 0 when equal. [R, T]"""
+    d = ref_logps - logps  # [R, T]
+    return torch.exp(d) - d - 1.0
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """Normalisers of the whole minibatch a micro-batch belongs to."""
+
+    rows: int  # completions in the minibatch
+    tokens: float  # real completion tokens in the minibatch
+    max_new_tokens: int  # the configured completion length (Dr. GRPO's constant)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Norm) -> torch.Tensor:
+    """Reduce a per-token loss [R, T] to a scalar, as one micro-batch's share of the minibatch loss.
+
+    grpo: mean over sequences of each sequence's token mean; dapo: mean over all tokens;
+    dr_grpo: token sum / (rows * max_new_tokens); seq_sum: mean over sequences of token sums.
+    """
+    masked = per_token * mask  # [R, T]
+    if mode == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / norm.rows
+    if mode == "dapo":
+        return masked.sum() / max(norm.tokens, 1.0)
+    if mode == "dr_grpo":
+        return masked.sum() / (norm.rows * norm.max_new_tokens)
+    if mode == "seq_sum":
+        return masked.sum() / norm.rows
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: grpo, dapo, dr_grpo, seq_sum")
+
+
+def log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log(pi/pi_old) per token [R, T], or per sequence (GSPO) as the masked token mean [R, 1]."""
+    lr = logps - old_logps  # [R, T]
+    if level == "token":
+        return lr
+    if level == "sequence":
+        return ((lr * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)  # [R, 1]
+    raise ValueError(f"unknown ratio level {level!r}; valid: token, sequence")
+
+
+def clipped_surrogate(log_rho: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
+    """PPO's pessimistic clipped objective as a per-token loss, and where each clip side is active.
+
+    log_rho [R, T] or [R, 1]; adv [R, T] -> (loss [R, T], low_clipped [R, T], high_clipped [R, T])
+    """
+    rho = torch.exp(log_rho)  # [R, T] or [R, 1]
+    clipped = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high)
+    loss = -torch.min(rho * adv, clipped * adv)  # [R, T]
+    low = (rho < 1.0 - eps_low) & (adv < 0)  # the clip binds on the low side
+    high = (rho > 1.0 + eps_high) & (adv > 0)
+    return loss, low.expand_as(loss), high.expand_as(loss)

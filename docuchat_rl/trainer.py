@@ -1,0 +1,423 @@
+"""The training loop: rollout -> score -> advantages -> update -> log -> checkpoint, one step at a time.
+
+One step samples `prompts_per_step` prompts, `num_generations` completions each, scores them with the
+composite reward, lets the algorithm turn rewards into per-token advantages, runs `num_iterations`
+passes of minibatch updates over the LoRA adapter (and critic), writes one trace record per
+completion and one metrics record, and checkpoints every `checkpoint.every` steps.
+
+Exact resume: a checkpoint holds everything the next step reads (adapter, critic, optimizer,
+scheduler, RNG states, data order and position, output file offsets). Checkpoints are taken between
+steps, so a run stopped anywhere inside a step (inside a mu-cycle included) resumes by replaying that
+step from the same state, and output files are truncated back to the checkpoint's offsets first.
+
+Deliberately left out: multi-process data sharding (accelerate launches work, but each process
+samples the full batch; traces are written by the main process only), and generation engines other
+than `transformers.generate`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rewards import CompositeReward
+
+from .algorithms import get_algorithm_class
+from .batch import Batch, build_batch, policy_forward
+from .checkpoint import resolve_resume, save_checkpoint, write_json
+from .config import Config
+from .data import DataError, Example, load_examples, render_prompt
+from .generation import generate
+from .losses import Norm
+from .modeling import load_model_and_tokenizer
+from .outputs import JsonlWriter
+
+
+class TrainingError(RuntimeError):
+    """A run that cannot start or go on; the message says what to change."""
+
+
+class PromptSampler:
+    """Epoch-wise permutations of the data set from (seed, epoch): its whole state is two integers."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, position: int = 0):
+        self.n, self.seed, self.epoch, self.position = n, seed, epoch, position
+        self._order = self._perm()
+
+    def _perm(self) -> list[int]:
+        order = list(range(self.n))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._perm()
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Timer:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+def build_lora(model, cfg: Config):
+    from peft import LoraConfig, get_peft_model
+
+    lc = cfg.lora
+    return get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
+                                            target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+
+
+def build_optimizer(params, cfg: Config, total_updates: int):
+    from transformers import get_scheduler
+
+    o = cfg.optim
+    if o.name == "adamw":
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    else:
+        opt = torch.optim.RMSprop(params, lr=o.lr, alpha=o.alpha, eps=o.eps, weight_decay=o.weight_decay)
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[o.schedule]
+    sched = get_scheduler(name, opt, num_warmup_steps=o.warmup_steps, num_training_steps=total_updates)
+    return opt, sched
+
+
+class Trainer:
+    def __init__(self, cfg: Config, resume: str | None = None, examples: list[Example] | None = None):
+        from accelerate import Accelerator
+
+        self.cfg = cfg
+        self.out_dir = Path(cfg.run.output_dir)
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        seed_everything(cfg.run.seed)
+        self.accelerator = Accelerator(cpu=cfg.model.device == "cpu")
+        model, self.tokenizer = load_model_and_tokenizer(
+            cfg.model.name_or_path, cfg.model.dtype, str(self.accelerator.device),
+            cfg.model.trust_remote_code, cfg.model.revision)
+        self.context_len = getattr(model.config, "max_position_embeddings", None)
+        self.model = build_lora(model, cfg)
+        self.algo = get_algorithm_class(cfg.algorithm.name)(cfg, model.config.hidden_size)
+        if self.algo.critic is not None:
+            self.algo.critic.to(self.accelerator.device)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.algo.critic is not None:
+            params += list(self.algo.critic.parameters())
+        self.params = params
+        self.updates_per_step = cfg.algorithm.num_iterations * (cfg.rollout.batch_rows // cfg.minibatch_rows)
+        opt, sched = build_optimizer(params, cfg, cfg.run.steps * self.updates_per_step)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(self.model, opt, sched)
+        # accelerate saves optimizer, scheduler and RNG states; the adapter is saved by peft instead
+        self.accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
+        self.accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
+
+        self.examples = examples if examples is not None else load_examples(
+            cfg.data.train, cfg.data.train_split, cfg.data.prompt_column, cfg.data.answer_column,
+            revision=cfg.data.revision, subset=cfg.data.subset)
+        if not self.examples:
+            raise DataError(f"{cfg.data.train}: no training rows")
+        self.prompt_texts = [render_prompt(self.tokenizer, e.question, cfg.data.system_prompt)
+                             for e in self.examples]
+        self._check_lengths()
+        self.reward = CompositeReward([c.model_dump() for c in cfg.rewards.components],
+                                      strict=cfg.rewards.strict, timeout_s=cfg.rewards.timeout_s)
+        self.sampler = PromptSampler(len(self.examples), cfg.run.seed)
+        self.step, self.run_id = 0, uuid.uuid4().hex[:12]
+        offsets = {"traces": None, "metrics": None}
+        if resume:
+            offsets = self._load(resolve_resume(resume, self.out_dir))
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets["traces"])
+        self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets["metrics"])
+        self.wandb = self._init_wandb()
+
+    # ---------------------------------------------------------------- set-up checks
+    def _check_lengths(self) -> None:
+        limit = self.cfg.data.max_prompt_tokens
+        budget = None if self.context_len is None else self.context_len - self.cfg.rollout.max_new_tokens
+        if budget is not None and budget < 1:
+            raise TrainingError(f"rollout.max_new_tokens ({self.cfg.rollout.max_new_tokens}) leaves no room "
+                                f"for a prompt in the model's context of {self.context_len} tokens")
+        lengths = [len(x) for x in self.tokenizer(self.prompt_texts, add_special_tokens=False)["input_ids"]]
+        for i, n in enumerate(lengths):
+            if n > limit or (budget is not None and n > budget):
+                raise TrainingError(
+                    f"{self.cfg.data.train}: row {self.examples[i].prompt_id} has a prompt of {n} tokens; "
+                    f"data.max_prompt_tokens is {limit} and the model's context leaves {budget} after "
+                    f"rollout.max_new_tokens; shorten it, filter the data, or raise the limit")
+
+    def _init_wandb(self):
+        if not self.cfg.logging.wandb or not self.accelerator.is_main_process:
+            return None
+        try:
+            import wandb
+        except ImportError:
+            raise TrainingError("logging.wandb is on but wandb is not installed: pip install "
+                                "'docuchat-rl[wandb]'") from None
+        return wandb.init(project=self.cfg.logging.wandb_project, mode=self.cfg.logging.wandb_mode,
+                          dir=str(self.out_dir), config=self.cfg.to_dict(), id=self.run_id, resume="allow")
+
+    # ---------------------------------------------------------------- phases
+    def rollout(self, n_prompts: int, timer: Timer):
+        idx = self.sampler.take(n_prompts)
+        examples = [self.examples[i] for i in idx]
+        r = self.cfg.rollout
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped.eval()
+        with timer("rollout"):
+            gen = generate(unwrapped, self.tokenizer, [self.prompt_texts[i] for i in idx],
+                           max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,
+                           top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
+                           num_return_sequences=r.num_generations)
+        texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        return examples, gen, texts
+
+    def score(self, examples: list[Example], gen, texts: list[str], timer: Timer):
+        g = self.cfg.rollout.num_generations
+        rows = [e for e in examples for _ in range(g)]
+        with timer("score"):
+            return self.reward([e.question for e in rows], texts, answer=[e.answer for e in rows],
+                               completion_tokens=[len(c) for c in gen.completion_ids],
+                               truncated=gen.truncated)
+
+    def collect(self, timer: Timer):
+        """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""
+        r, g = self.cfg.rollout, self.cfg.rollout.num_generations
+        parts, kept, rounds = [], 0, 0
+        while True:
+            need = r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step
+            examples, gen, texts = self.rollout(need, timer)
+            result = self.score(examples, gen, texts, timer)
+            totals = torch.tensor(result.totals).view(-1, g)  # [prompts, G]
+            varied = (totals.std(dim=1) > 1e-8).tolist() if g > 1 else [True] * len(examples)
+            use = [v or not r.dynamic_sampling for v in varied]
+            use = [u and (kept + sum(use[:i + 1]) <= r.prompts_per_step) for i, u in enumerate(use)]
+            kept += sum(use)
+            parts.append((examples, gen, texts, result, use))
+            rounds += 1
+            if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
+                return parts, rounds
+
+    def prepare(self, parts, timer: Timer) -> tuple[Batch, list[dict]]:
+        """The batch of used groups (tensors) and the per-completion trace rows of every group."""
+        g = self.cfg.rollout.num_generations
+        prompt_ids, comp_ids, rewards, group, rows = [], [], [], [], []
+        n_group = 0
+        for examples, gen, texts, result, use in parts:
+            for p, ex in enumerate(examples):
+                for s in range(g):
+                    i = p * g + s
+                    row = {"example": ex, "text": texts[i], "ids": gen.completion_ids[i],
+                           "truncated": gen.truncated[i], "reward": result.records[i], "used": use[p],
+                           "group": n_group if use[p] else None, "sample": s}
+                    rows.append(row)
+                    if use[p]:
+                        prompt_ids.append(gen.prompt_ids[i])
+                        comp_ids.append(gen.completion_ids[i])
+                        rewards.append(result.records[i].total)
+                        group.append(n_group)
+                if use[p]:
+                    n_group += 1
+        batch = build_batch(prompt_ids, comp_ids, rewards, group, self.tokenizer.pad_token_id)
+        return batch.to(self.accelerator.device), rows
+
+    def _forward_no_grad(self, batch: Batch, fill: str, disable_adapter: bool = False) -> None:
+        """Fill batch.<fill> [R, T] with log-probs from a no-grad pass, micro-batch by micro-batch."""
+        model = self.accelerator.unwrap_model(self.model)
+        out = torch.zeros_like(batch.completion_mask)
+        ctx = model.disable_adapter() if disable_adapter else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
+                mb = batch.select(rows)
+                logps = policy_forward(model, mb, self.cfg.rollout.temperature).logps  # [r, t]
+                out[rows, :logps.shape[1]] = logps
+        setattr(batch, fill, out)
+
+    def advantages(self, batch: Batch, timer: Timer) -> dict[str, float]:
+        with timer("advantages"):
+            n_minibatches = -(-batch.rows // self.cfg.minibatch_rows)
+            if self.cfg.algorithm.num_iterations > 1 or n_minibatches > 1:
+                self._forward_no_grad(batch, "old_logps")  # once per rollout, reused by every update
+            if self.cfg.algorithm.beta > 0:
+                self._forward_no_grad(batch, "ref_logps", disable_adapter=True)
+            if self.algo.critic is not None:
+                self.algo.rollout_values(self.accelerator.unwrap_model(self.model), batch)
+            return self.algo.advantages(batch)
+
+    def update(self, batch: Batch, timer: Timer) -> dict[str, float]:
+        cfg = self.cfg
+        sums: dict[str, float] = defaultdict(float)
+        weight = 0.0
+        grad_norms, losses = [], []
+        self.model.train()
+        with timer("update"):
+            for _ in range(cfg.algorithm.num_iterations):
+                for mb_rows in torch.arange(batch.rows).split(cfg.minibatch_rows):
+                    mask = batch.completion_mask[mb_rows]
+                    norm = Norm(rows=len(mb_rows), tokens=float(mask.sum()),
+                                max_new_tokens=cfg.rollout.max_new_tokens)
+                    total = 0.0
+                    for rows in mb_rows.split(cfg.optim.micro_batch_size):
+                        mb = batch.select(rows)
+                        out = policy_forward(self.model, mb, cfg.rollout.temperature, with_entropy=True,
+                                             with_hidden=self.algo.critic is not None)
+                        loss, m = self.algo.loss(out, mb, norm)
+                        self.accelerator.backward(loss)
+                        total += float(loss.detach())
+                        w = float(mb.completion_mask.sum())  # every metric is token-weighted
+                        for k, v in m.items():
+                            sums[k] += v * w
+                        weight += w
+                    max_norm = cfg.optim.max_grad_norm or float("inf")
+                    grad_norms.append(float(self.accelerator.clip_grad_norm_(self.params, max_norm)))
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    losses.append(total)
+        out = {k: v / max(weight, 1.0) for k, v in sums.items()}
+        out.update(loss=float(np.mean(losses)), grad_norm=float(np.mean(grad_norms)),
+                   lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses))
+        return out
+
+    # ---------------------------------------------------------------- log and checkpoint
+    def log(self, step: int, rows: list[dict], batch: Batch, metrics: dict, timer: Timer, parts) -> dict:
+        extra = self.algo.trace_fields(batch)
+        used_i = 0
+        records = []
+        acc_name = self.cfg.rewards.accuracy_component
+        for row in rows:
+            ex, rec = row["example"], row["reward"]
+            record = {"run_id": self.run_id, "step": step, "prompt_id": ex.prompt_id, "group": row["group"],
+                      "sample": row["sample"], "used": row["used"], "prompt": ex.question,
+                      "completion": row["text"], "gold": ex.answer, "completion_tokens": len(row["ids"]),
+                      "truncated": row["truncated"],
+                      "rewards": {k: c.as_dict() for k, c in rec.components.items()},
+                      "total": rec.total, "total_missing": rec.total_missing}
+            for k, values in extra.items():
+                record[k] = values[used_i] if row["used"] else None
+            used_i += row["used"]
+            records.append(record)
+        self.traces.write(records)
+
+        totals = np.array([r["reward"].total for r in rows])
+        lengths = np.array([len(r["ids"]) for r in rows])
+        m = {"step": step, "reward/mean": float(totals.mean()), "reward/std": float(totals.std())}
+        for name in self.reward.names:
+            raws = [r["reward"].components[name].raw for r in rows]
+            vals = [v for v in raws if v is not None]
+            m[f"rewards/{name}/mean"] = float(np.mean(vals)) if vals else None
+            m[f"rewards/{name}/errors"] = sum(r["reward"].components[name].error is not None for r in rows)
+        if acc_name in self.reward.names:
+            m["accuracy"] = m[f"rewards/{acc_name}/mean"]
+        m.update({"completion_len/mean": float(lengths.mean()), "completion_len/max": int(lengths.max()),
+                  "truncated_frac": float(np.mean([r["truncated"] for r in rows])),
+                  "prompts_sampled": sum(len(p[0]) for p in parts), "groups_used": int(batch.group.max()) + 1
+                  if batch.rows else 0, "kl": None})
+        m.update(metrics)
+        rollout_s = timer.seconds.get("rollout", 0.0)
+        m["rollout_tokens_per_s"] = float(lengths.sum() / rollout_s) if rollout_s else None
+        for phase, s in timer.seconds.items():
+            m[f"time/{phase}"] = s
+        self.metrics.write([m])
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
+        return m
+
+    def checkpoint(self, step: int) -> Path:
+        unwrapped = self.accelerator.unwrap_model(self.model)
+
+        def write_into(folder: Path) -> None:
+            unwrapped.save_pretrained(folder, safe_serialization=True)
+            self.tokenizer.save_pretrained(folder)
+            if self.algo.critic is not None:
+                from safetensors.torch import save_file
+
+                save_file(self.algo.critic.state_dict(), folder / "critic.safetensors")
+            self.accelerator.save_state(str(folder), safe_serialization=True)
+            write_json(folder / "run_config.json", {"step": step, "config": self.cfg.to_dict()})
+            write_json(folder / "trainer_state.json", {
+                "step": step, "run_id": self.run_id, "sampler": self.sampler.state(),
+                "offsets": {"traces": self.traces.offset, "metrics": self.metrics.offset}})
+
+        return save_checkpoint(self.out_dir, step, write_into, self.cfg.checkpoint.keep_last)
+
+    def _load(self, folder: Path) -> dict:
+        import json
+
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        state = json.loads((folder / "trainer_state.json").read_text())
+        adapter = load_file(str(folder / "adapter_model.safetensors"))
+        set_peft_model_state_dict(self.accelerator.unwrap_model(self.model), adapter)
+        if self.algo.critic is not None:
+            self.algo.critic.load_state_dict(load_file(str(folder / "critic.safetensors")))
+        self.accelerator.load_state(str(folder))
+        self.step, self.run_id = state["step"], state["run_id"]
+        self.sampler = PromptSampler(len(self.examples), self.cfg.run.seed, **state["sampler"])
+        return state["offsets"]
+
+    # ---------------------------------------------------------------- the loop
+    def train(self, stop_after: int | None = None) -> list[dict]:
+        """Run to `run.steps` (or stop after step `stop_after`, for tests). Returns the metric records."""
+        cfg, history = self.cfg, []
+        bar = None
+        if cfg.logging.progress and self.accelerator.is_main_process:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        for step in range(self.step + 1, cfg.run.steps + 1):
+            timer = Timer()
+            parts, _ = self.collect(timer)
+            batch, rows = self.prepare(parts, timer)
+            if batch.rows == 0:
+                raise TrainingError("dynamic sampling found no group with varied rewards in "
+                                    f"{cfg.rollout.max_resample_rounds + 1} rounds")
+            adv_metrics = self.advantages(batch, timer)
+            upd_metrics = self.update(batch, timer)
+            m = self.log(step, rows, batch, {**adv_metrics, **upd_metrics}, timer, parts)
+            history.append(m)
+            self.step = step
+            if step % cfg.checkpoint.every == 0 or step == cfg.run.steps:
+                self.checkpoint(step)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy') or 0:.3f}",
+                                tok_s=f"{m['rollout_tokens_per_s'] or 0:.0f}")
+            if stop_after is not None and step >= stop_after:
+                break
+        if bar is not None:
+            bar.close()
+        return history
+
+    def close(self) -> None:
+        self.traces.close()
+        self.metrics.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,142 @@
+"""The reward contract and registry. Pure Python: this package imports nothing from torch or the trainer.
+
+A reward is a registered class whose instances are callables in TRL's convention,
+``reward(prompts, completions, **columns) -> list[float | None]`` (``None`` = not applicable), and can
+explain themselves: ``reward.explain(...)`` returns one `Score` (value + JSON-able ``info``) per
+completion. Subclasses implement ``score(prompt, completion, row)`` for one completion, or override
+``explain`` when batching pays.
+
+Deliberately left out: async rewards and remote reward servers; wrap those in a plain function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class RewardError(ValueError):
+    """A reward that cannot be built or called as configured; the message names it."""
+
+
+@dataclass
+class Score:
+    value: float | None  # None: not applicable to this completion
+    info: dict[str, Any] = field(default_factory=dict)  # why: JSON-serialisable
+
+
+def text_of(item: Any) -> str:
+    """Plain text of a prompt or completion, in either TRL form: a string or a list of chat messages."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, list) and item and isinstance(item[-1], dict):
+        return str(item[-1].get("content", ""))
+    if isinstance(item, dict):
+        return str(item.get("content", ""))
+    return "" if item is None else str(item)
+
+
+def rows_of(n: int, columns: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-completion dicts from column lists (TRL passes every data set column as a list of length n)."""
+    rows: list[dict[str, Any]] = [{} for _ in range(n)]
+    for key, values in columns.items():
+        if isinstance(values, (list, tuple)) and len(values) == n:
+            for row, v in zip(rows, values):
+                row[key] = v
+    return rows
+
+
+class Reward:
+    """Base class: subclasses set `name` (through `@register`) and implement `score`."""
+
+    name = "reward"
+    #: documented range of the score, checked by the property tests
+    low, high = 0.0, 1.0
+
+    def __init__(self, **params: Any):
+        if params:
+            raise RewardError(f"reward {self.name!r} takes no parameter {sorted(params)}")
+
+    @property
+    def __name__(self) -> str:  # TRL names reward columns after the function's __name__
+        return self.name
+
+    def score(self, prompt: str, completion: str, row: dict[str, Any]) -> Score:
+        raise NotImplementedError
+
+    def explain(self, prompts: list, completions: list, **columns: Any) -> list[Score]:
+        if len(prompts) != len(completions):
+            raise RewardError(f"{self.name}: {len(prompts)} prompts for {len(completions)} completions")
+        rows = rows_of(len(completions), columns)
+        return [self.score(text_of(p), text_of(c), r) for p, c, r in zip(prompts, completions, rows)]
+
+    def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float | None]:
+        return [s.value for s in self.explain(prompts, completions, **columns)]
+
+
+class FunctionReward(Reward):
+    """A user's plain TRL-style function, given the explain interface (its info is empty)."""
+
+    low, high = float("-inf"), float("inf")
+
+    def __init__(self, fn: Callable, name: str, **params: Any):
+        self.fn, self.name, self.params = fn, name, params
+
+    def explain(self, prompts: list, completions: list, **columns: Any) -> list[Score]:
+        values = self.fn(prompts, completions, **columns, **self.params)
+        if not isinstance(values, (list, tuple)):
+            raise RewardError(f"reward {self.name!r} returned {type(values).__name__}, expected a list")
+        return [Score(v) for v in values]
+
+
+_REGISTRY: dict[str, type[Reward]] = {}
+
+
+def register(name: str) -> Callable[[type[Reward]], type[Reward]]:
+    """Class decorator: make a reward available under `name` (the name used in YAML, logs and traces)."""
+
+    def deco(cls: type[Reward]) -> type[Reward]:
+        if name in _REGISTRY:
+            raise RewardError(f"reward name {name!r} is already registered (by {_REGISTRY[name].__qualname__})")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def registered() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def resolve_reward(name: str) -> type[Reward] | Callable:
+    """A registered reward class, or the object behind a dotted path `package.module:attribute`."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as e:
+            raise RewardError(f"cannot import reward {name!r}: {e}") from e
+        if not callable(obj):
+            raise RewardError(f"reward {name!r} is not callable")
+        return obj
+    raise RewardError(f"unknown reward {name!r}; registered rewards are {', '.join(registered())} "
+                      "(or give a dotted path package.module:function)")
+
+
+def build_reward(name: str, params: dict[str, Any] | None = None) -> Reward:
+    """An instance ready to call: registered classes get `params` as keyword arguments."""
+    obj = resolve_reward(name)
+    params = dict(params or {})
+    if inspect.isclass(obj) and issubclass(obj, Reward):
+        try:
+            inst = obj(**params)
+        except TypeError as e:
+            raise RewardError(f"reward {name!r}: bad params {params}: {e}") from e
+        inst.name = name
+        return inst
+    return FunctionReward(obj, name, **params)

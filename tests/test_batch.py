@@ -1,0 +1,73 @@
+"""Per-token log-probs of the training forward equal those seen during generation and an unpadded loop."""
+
+import torch
+
+from docuchat_rl.batch import build_batch, policy_forward
+from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, render_prompt
+from docuchat_rl.generation import generate
+
+
+def _prompts(tok):
+    qs = ["Ava has 3 apples. Ava buys 4 more apples. How many apples does Ava have now?",
+          "Ben has 12 coins. Ben loses 5 coins. Ben ends up with 2 times as many coins. A friend gives "
+          "Ben 7 coins. How many coins does Ben have now?"]
+    return [render_prompt(tok, q, DEFAULT_SYSTEM_PROMPT) for q in qs]
+
+
+def test_forward_logps_match_generation_logits_under_left_padding(tiny):
+    model, tok = tiny
+    prompts = _prompts(tok)
+    enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    assert enc["attention_mask"][0].min() == 0  # the first prompt really is left-padded
+    torch.manual_seed(0)
+    out = model.generate(**enc, max_new_tokens=12, do_sample=True, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=tok.pad_token_id, eos_token_id=[])
+    new = out.sequences[:, enc["input_ids"].shape[1]:]  # [2, 12]
+    gen_logps = torch.stack([torch.log_softmax(l.float(), -1).gather(-1, new[:, j:j + 1]).squeeze(-1)
+                             for j, l in enumerate(out.logits)], dim=1)  # [2, 12]
+    p_ids = [ids[m.bool()].tolist() for ids, m in zip(enc["input_ids"], enc["attention_mask"])]
+    batch = build_batch(p_ids, new.tolist(), [0.0, 0.0], [0, 0], tok.pad_token_id)
+    with torch.no_grad():
+        logps = policy_forward(model, batch).logps
+    assert torch.allclose(logps, gen_logps, atol=2e-4), (logps - gen_logps).abs().max()
+
+
+def test_forward_logps_match_unpadded_reference_loop_and_masks(tiny):
+    model, tok = tiny
+    p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in _prompts(tok)]
+    c_ids = [tok("<think>\n3 + 4 = 7\n</think>\n<answer>7</answer>", add_special_tokens=False)["input_ids"],
+             tok("<think>\n12", add_special_tokens=False)["input_ids"]]
+    batch = build_batch(p_ids, c_ids, [1.0, 0.0], [0, 0], tok.pad_token_id)
+    assert batch.completion_mask.sum(-1).tolist() == [len(c_ids[0]), len(c_ids[1])]
+    with torch.no_grad():
+        logps = policy_forward(model, batch).logps  # [2, T]
+        for r, (p, c) in enumerate(zip(p_ids, c_ids)):
+            ids = torch.tensor([p + c])
+            logits = model(input_ids=ids).logits[0, len(p) - 1:-1]  # positions that predict c
+            ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c)[:, None]).squeeze(-1)
+            assert torch.allclose(logps[r, :len(c)], ref, atol=1e-4)
+    # a micro-batch view trims padding columns but keeps the same values
+    sub = batch.select(torch.tensor([1]))
+    assert sub.completion_mask.shape[1] == len(c_ids[1]) and sub.prompt_width == len(p_ids[1])
+    with torch.no_grad():
+        assert torch.allclose(policy_forward(model, sub).logps[0], logps[1, :len(c_ids[1])], atol=1e-5)
+
+
+def test_padding_does_not_change_gradients(tiny):
+    """A row's loss gradient is the same alone and beside a longer, padded row."""
+    model, tok = tiny
+    p_ids = [tok(p, add_special_tokens=False)["input_ids"] for p in _prompts(tok)]
+    c_ids = [tok("<answer>7</answer>", add_special_tokens=False)["input_ids"],
+             tok("<think>\n12 - 5 = 7\n7 * 2 = 14\n</think>", add_special_tokens=False)["input_ids"]]
+    emb = model.get_input_embeddings().weight
+
+    def grad_of_row0(batch):
+        model.zero_grad()
+        out = policy_forward(model, batch)
+        (out.logps[0] * batch.completion_mask[0]).sum().backward()
+        return emb.grad.clone()
+
+    both = grad_of_row0(build_batch(p_ids, c_ids, [0, 0], [0, 0], tok.pad_token_id))
+    alone = grad_of_row0(build_batch(p_ids[:1], c_ids[:1], [0], [0], tok.pad_token_id))
+    model.zero_grad()
+    assert torch.allclose(both, alone, atol=1e-5)

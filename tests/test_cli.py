@@ -1,0 +1,43 @@
+"""The console command: subcommands, config errors as one line with exit code 2, eval JSON."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from docuchat_rl.cli import main
+
+from .conftest import ROOT
+
+
+def test_help_lists_the_subcommands():
+    out = subprocess.run(["docuchat-rl", "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("train", "eval", "audit", "config"):
+        assert cmd in out
+    mod = subprocess.run([sys.executable, "-m", "docuchat_rl", "--help"], capture_output=True, text=True)
+    assert mod.returncode == 0 and "train" in mod.stdout
+
+
+def test_config_error_is_one_line_and_exit_2(capsys):
+    assert main(["train", "--config", str(ROOT / "config/default.yaml"), "--set", "optim.lrr=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("docuchat-rl: error: config key 'optim.lrr' is unknown") and "\n" not in err
+
+
+def test_config_explain_and_resolved(capsys):
+    assert main(["config", "--explain"]) == 0
+    assert "epsilon_high" in capsys.readouterr().out
+    assert main(["config", "--config", str(ROOT / "config/default.yaml"), "--set", "run.steps=7"]) == 0
+    assert "steps: 7" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_eval_prints_json_and_writes_file(tmp_path, capsys):
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--config", str(ROOT / "config/default.yaml"), "--set", "eval.limit=16",
+                 "--set", "eval.pass_k=2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for key in ("accuracy", "pass@2", "format_rate", "correctness/mean", "completion_len/mean"):
+        assert key in result
+    assert result["rows"] == 16 and 0 <= result["mean@2"] <= result["pass@2"] <= 1  # pass@k >= mean@k

@@ -1,0 +1,83 @@
+"""Composite arithmetic and fault isolation for each failure kind; strict mode raises at once."""
+
+import pytest
+
+from rewards import CompositeReward, RewardFailure
+
+GOOD = "<think>\n2 + 2 = 4\n</think>\n<answer>4</answer>"
+BAD = "<answer>5</answer> trailing"
+
+
+def run(specs, completions=(GOOD, BAD), **kw):
+    comp = CompositeReward(specs, **kw)
+    n = len(completions)
+    return comp(["Q"] * n, list(completions), answer=["4"] * n)
+
+
+def test_weighted_total_and_trace_fields():
+    res = run([{"name": "correctness", "weight": 1.0}, {"name": "format", "weight": 0.25}])
+    good, bad = res.records
+    assert good.total == pytest.approx(1.25) and bad.total == pytest.approx(0.0)
+    c = good.components["format"]
+    assert (c.raw, c.weight, c.weighted, c.error) == (1.0, 0.25, 0.25, None)
+    assert set(c.as_dict()) == {"raw", "weight", "weighted", "info", "error"}
+    assert res.errors == {"correctness": 0, "format": 0}
+
+
+def test_negative_weights_and_params_per_component():
+    res = run([{"name": "repetition", "weight": 2.0, "params": {"n": 1, "max_penalty": -1.0}}],
+              completions=["a a a b"])
+    assert res.records[0].total == pytest.approx(2.0 * -0.5)  # 4 unigrams, 2 repeats
+
+
+def test_not_applicable_is_excluded_without_renormalising():
+    comp = CompositeReward([{"name": "correctness", "weight": 1.0}, {"name": "format", "weight": 0.5}])
+    rec = comp(["Q"], [GOOD], answer=[""]).records[0]  # no gold: correctness is None
+    assert rec.components["correctness"].raw is None and rec.components["correctness"].error is None
+    assert rec.total == pytest.approx(0.5)  # format's 0.5, not scaled up to 1.5
+
+
+@pytest.mark.parametrize("fn,message", [
+    ("raises", "RuntimeError: boom"),
+    ("wrong_length", "returned 3 values for 2 completions"),
+    ("not_a_number", "expected a number"),
+])
+def test_batch_failures_are_recorded_not_raised(fn, message):
+    res = run([{"name": "correctness", "weight": 1.0}, {"name": f"tests.user_rewards:{fn}", "weight": 1.0}])
+    name = f"tests.user_rewards:{fn}"
+    assert res.errors[name] == 2
+    for rec in res.records:
+        assert rec.components[name].raw is None and message in rec.components[name].error
+    assert [r.total for r in res.records] == [1.0, 0.0]  # correctness still counts
+
+
+def test_non_finite_values_fail_only_their_completion():
+    res = run([{"name": "tests.user_rewards:not_finite"}], completions=["a", "b", "c"])
+    name = "tests.user_rewards:not_finite"
+    assert res.errors[name] == 2
+    assert [r.components[name].raw for r in res.records] == [None, None, 1.0]
+    assert "non-finite" in res.records[0].components[name].error
+    assert res.records[0].total_missing and not res.records[2].total_missing
+
+
+def test_timeout_is_recorded_and_the_next_call_works():
+    comp = CompositeReward([{"name": "tests.user_rewards:slow"}, {"name": "format", "weight": 1.0}],
+                           timeout_s=0.3)
+    res = comp(["Q"], [GOOD])
+    assert "time limit" in res.records[0].components["tests.user_rewards:slow"].error
+    assert res.records[0].total == 1.0
+    again = comp(["Q"], [GOOD])  # a fresh worker serves the next batch
+    assert again.records[0].components["format"].raw == 1.0
+
+
+@pytest.mark.parametrize("fn", ["raises", "wrong_length", "not_finite", "not_a_number"])
+def test_strict_raises_with_the_reward_name(fn):
+    with pytest.raises(RewardFailure, match=f"tests.user_rewards:{fn}"):
+        run([{"name": f"tests.user_rewards:{fn}"}], completions=["a", "b"], strict=True)
+
+
+def test_only_selected_rewards_are_built_and_duplicates_fail():
+    comp = CompositeReward([{"name": "format"}])
+    assert comp.names == ["format"]
+    with pytest.raises(ValueError, match="listed twice"):
+        CompositeReward([{"name": "format"}, {"name": "format"}])

@@ -1,0 +1,69 @@
+"""The data loader on JSONL/CSV/Parquet, GSM8K answers, and every bad input naming what is wrong."""
+
+import json
+
+import pytest
+
+from docuchat_rl.data import DataError, gsm8k_gold, load_examples, reasoning_target, render_prompt
+
+ROWS = [{"q": "What is 2 + 2?", "a": "2 + 2 = <<2+2=4>>4\n#### 4"}, {"q": "Capital of France?", "a": "Paris"}]
+
+
+def write(tmp_path, fmt):
+    import datasets
+
+    ds = datasets.Dataset.from_list(ROWS)
+    path = tmp_path / f"d.{fmt}"
+    {"jsonl": lambda: ds.to_json(str(path)), "csv": lambda: ds.to_csv(str(path), index=False),
+     "parquet": lambda: ds.to_parquet(str(path))}[fmt]()
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv", "parquet"])
+def test_loads_each_format_with_column_mapping(tmp_path, fmt):
+    ex = load_examples(str(write(tmp_path, fmt)), "train", "q", "a")
+    assert [(e.prompt_id, e.question, e.answer) for e in ex] == [(0, "What is 2 + 2?", "4"),
+                                                                   (1, "Capital of France?", "Paris")]
+    assert ex[0].answer_text == ROWS[0]["a"]
+
+
+def test_limit(tmp_path):
+    assert len(load_examples(str(write(tmp_path, "jsonl")), "train", "q", "a", limit=1)) == 1
+
+
+def test_bad_inputs_name_the_culprit(tmp_path):
+    good = str(write(tmp_path, "jsonl"))
+    with pytest.raises(DataError, match="column 'question' \\(data.prompt_column\\) not found.*'q'"):
+        load_examples(good, "train", "question", "a")
+    with pytest.raises(DataError, match="column 'gold' \\(data.answer_column\\)"):
+        load_examples(good, "train", "q", "gold")
+    with pytest.raises(DataError, match="data file not found: .*nope.jsonl"):
+        load_examples(str(tmp_path / "nope.jsonl"), "train", "q", "a")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="empty"):
+        load_examples(str(empty), "train", "q", "a")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text(json.dumps({"q": "  ", "a": "1"}) + "\n")
+    with pytest.raises(DataError, match="row 0 has an empty 'q'"):
+        load_examples(str(blank), "train", "q", "a")
+    odd = tmp_path / "data.txt"
+    odd.write_text("x")
+    with pytest.raises(DataError, match="unsupported data file type '.txt'"):
+        load_examples(str(odd), "train", "q", "a")
+    with pytest.raises(DataError, match="folder"):
+        load_examples(str(tmp_path), "train", "q", "a")
+
+
+def test_gsm8k_helpers():
+    assert gsm8k_gold("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == "72"
+    assert gsm8k_gold("#### 1,234") == "1234"
+    assert reasoning_target("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == (
+        "<think>\nNatalia sold 48/2 = 24 clips.\n</think>\n<answer>72</answer>")
+
+
+def test_render_without_chat_template_falls_back_to_plain_text():
+    class Plain:
+        chat_template = None
+
+    assert render_prompt(Plain(), "Q?", "Be brief.") == "Be brief.\n\nQuestion: Q?\nAnswer: "

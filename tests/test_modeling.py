@@ -1,0 +1,68 @@
+"""The committed default model and tokenizer: offline loading, chat template, generation, the card."""
+
+import json
+
+import pytest
+import torch
+
+from docuchat_rl.config import load_config
+from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, render_prompt
+from docuchat_rl.generation import generate
+from docuchat_rl.modeling import pick_dtype
+
+from .conftest import MODEL
+
+
+def test_loads_offline_with_plain_auto_classes():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, local_files_only=True)
+    assert model.config.model_type == "llama"
+    assert 1e6 < sum(p.numel() for p in model.parameters()) < 1e7  # "a few million"
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|pad|>"
+
+
+def test_chat_template_renders_system_user_and_generation_prompt(tiny):
+    _, tok = tiny
+    text = render_prompt(tok, "What is 2 + 2?", DEFAULT_SYSTEM_PROMPT)
+    assert text == (f"<|im_start|>system\n{DEFAULT_SYSTEM_PROMPT}<|im_end|>\n"
+                    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_reasoning_tags_are_single_ordinary_tokens(tiny):
+    _, tok = tiny
+    for tag in ("<think>", "</think>", "<answer>", "</answer>"):
+        ids = tok(tag, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1
+        assert tok.decode(ids, skip_special_tokens=True) == tag  # TRL decodes like this
+    assert tok.decode(tok("<|im_end|>")["input_ids"], skip_special_tokens=True) == ""
+    assert tok.convert_ids_to_tokens(tok("2025", add_special_tokens=False)["input_ids"]) == list("2025")
+
+
+def test_generates_the_reasoning_format_greedily(tiny):
+    model, tok = tiny
+    prompt = render_prompt(tok, "Ava has 3 apples. Ava buys 4 more apples. How many apples does Ava "
+                                "have now?", DEFAULT_SYSTEM_PROMPT)
+    gen = generate(model, tok, [prompt], max_new_tokens=64, do_sample=False)
+    text = tok.decode(gen.completion_ids[0], skip_special_tokens=True)
+    assert text.startswith("<think>") and "</think>" in text and text.rstrip().endswith("</answer>")
+    assert not gen.truncated[0] and gen.completion_ids[0][-1] == tok.eos_token_id
+
+
+def test_dtype_choice():
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert pick_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_card_accuracy_is_in_band_and_re_measures_within_3_points(tiny):
+    from docuchat_rl.evaluate import evaluate
+
+    card = json.loads((MODEL / "card.json").read_text())
+    claimed = card["heldout"]["greedy_accuracy"]
+    assert 0.20 <= claimed <= 0.60 and card["heldout"]["format_rate"] >= 0.8
+    cfg = load_config(None, ["eval.max_new_tokens=96", "eval.batch_size=256"])
+    result = evaluate(tiny[0], tiny[1], cfg)  # math-verify correctness on all 500 held-out rows
+    assert result["rows"] == card["heldout"]["rows"] == 500
+    assert abs(result["accuracy"] - claimed) <= 0.03, (result["accuracy"], claimed)

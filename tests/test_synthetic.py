@@ -1,0 +1,36 @@
+"""The committed task files are exactly what the generator writes for the recorded seed."""
+
+import hashlib
+import json
+
+from docuchat_rl.synthetic import make_problem, make_task, write_jsonl
+
+from .conftest import TASK
+
+
+def test_committed_data_matches_the_generator(tmp_path):
+    meta = json.loads((TASK / "meta.json").read_text())
+    splits = make_task(meta["seed"], meta["train"]["rows"], meta["test"]["rows"])
+    for name, problems in splits.items():
+        digest = write_jsonl(problems, tmp_path / f"{name}.jsonl")
+        assert digest == meta[name]["sha256"]
+        assert hashlib.sha256((TASK / f"{name}.jsonl").read_bytes()).hexdigest() == digest
+
+
+def test_splits_are_disjoint_and_sized():
+    rows = {n: [json.loads(l) for l in open(TASK / f"{n}.jsonl")] for n in ("train", "test")}
+    assert len(rows["train"]) >= 3000 and len(rows["test"]) >= 500
+    assert not {r["question"] for r in rows["train"]} & {r["question"] for r in rows["test"]}
+
+
+def test_problems_are_gsm8k_format_with_2_to_4_integer_steps():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        p = make_problem(rng)
+        steps = p.answer.split("\n")[:-1]
+        assert 2 <= len(steps) <= 4 and p.answer.endswith(f"#### {p.value}")
+        for line in steps:  # each annotated step really computes its result
+            expr, result = line.split("<<")[1].split(">>")[0].split("=")
+            assert eval(expr.replace("/", "//")) == int(result) >= 0  # noqa: S307 (our own generated text)

@@ -1,0 +1,165 @@
+"""End-to-end runs of the real trainer on the committed tiny model: schema, exact resume, bad inputs."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from docuchat_rl.config import load_config
+from docuchat_rl.data import DataError
+from docuchat_rl.outputs import read_jsonl
+from docuchat_rl.trainer import Trainer, TrainingError
+
+from .conftest import MODEL, ROOT
+
+FAST = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_new_tokens=24",
+        "logging.progress=false", "eval.before_and_after=false", "run.threads=2"]
+TRACE_KEYS = {"run_id", "step", "prompt_id", "group", "sample", "used", "prompt", "completion", "gold",
+              "completion_tokens", "truncated", "rewards", "total", "total_missing", "advantage"}
+TIMING = ("time/", "rollout_tokens_per_s")
+
+
+def cfg_for(tmp_path, *extra):
+    return load_config(ROOT / "config" / "default.yaml",
+                       FAST + [f"run.output_dir={tmp_path}", *extra])
+
+
+def untimed(records):
+    """Records without timings and without the run id (two separate runs compared)."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING) and k != "run_id"} for r in records]
+
+
+@pytest.mark.slow
+def test_two_steps_write_adapter_metrics_and_traces(tmp_path):
+    cfg = cfg_for(tmp_path, "run.steps=2", "checkpoint.every=1", "checkpoint.keep_last=1",
+                  "algorithm.beta=0.05")
+    t = Trainer(cfg)
+    history = t.train()
+    t.close()
+    assert [m["step"] for m in history] == [1, 2]
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]  # keep_last 1
+    assert (tmp_path / "latest").read_text().strip() == "checkpoint-2"
+    traces = read_jsonl(tmp_path / "traces.jsonl")
+    assert len(traces) == 2 * 2 * 4 and all(set(r) == TRACE_KEYS for r in traces)
+    r = traces[0]
+    assert set(r["rewards"]) == {"correctness", "format"}
+    assert set(r["rewards"]["format"]) == {"raw", "weight", "weighted", "info", "error"}
+    assert r["total"] == pytest.approx(sum(c["weighted"] or 0 for c in r["rewards"].values()))
+    # per group: advantages are centred (GRPO), one group per prompt
+    for step in (1, 2):
+        for g in range(2):
+            adv = [x["advantage"] for x in traces if x["step"] == step and x["group"] == g]
+            assert len(adv) == 4 and sum(adv) == pytest.approx(0.0, abs=1e-5)
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    for key in ("reward/mean", "reward/std", "rewards/correctness/mean", "rewards/format/errors", "accuracy",
+                "zero_std_frac", "completion_len/mean", "completion_len/max", "truncated_frac", "kl",
+                "entropy", "clip_low", "clip_high", "grad_norm", "lr", "time/rollout", "time/score",
+                "time/advantages", "time/update", "rollout_tokens_per_s"):
+        assert key in metrics[0], key
+    assert metrics[0]["kl"] is not None and metrics[0]["kl"] >= 0  # beta > 0: reference forward ran
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(MODEL)
+    adapted = PeftModel.from_pretrained(base, tmp_path / "checkpoint-2")
+    lora = {k: v for k, v in adapted.state_dict().items() if "lora_B" in k}
+    assert lora and any(v.abs().sum() > 0 for v in lora.values())  # the adapter was trained
+    run_cfg = json.loads((tmp_path / "checkpoint-2" / "run_config.json").read_text())
+    assert run_cfg["step"] == 2 and run_cfg["config"]["algorithm"]["beta"] == 0.05
+
+
+class Crash(Exception):
+    pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,crash_at", [
+    # mu = 2, two minibatches of two micro-batches: 8 loss calls a step; die in the 2nd iteration
+    (["algorithm.num_iterations=2", "optim.minibatch_size=4", "optim.micro_batch_size=2"], 5),
+    # dynamic sampling draws a varying number of prompts: the sampler position must resume too
+    (["rollout.dynamic_sampling=true", "algorithm.loss_aggregation=dapo"], 1),
+], ids=["mu2-minibatches", "dynamic-sampling"])
+def test_resume_inside_a_mu_cycle_matches_the_uninterrupted_run(tmp_path, extra, crash_at):
+    opts = ["run.steps=4", "checkpoint.every=2", *extra]
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    t = Trainer(cfg_for(full_dir, *opts))
+    t.train()
+    t.close()
+
+    t = Trainer(cfg_for(cut_dir, *opts))
+    calls, real_loss = [0], t.algo.loss
+
+    def crashing_loss(*a, **k):  # die inside step 4 (t.step counts completed steps)
+        if t.step == 3:
+            calls[0] += 1
+            if calls[0] == crash_at:
+                raise Crash
+        return real_loss(*a, **k)
+
+    t.algo.loss = crashing_loss
+    with pytest.raises(Crash):
+        t.train()
+    t.close()
+    # step 3 was logged but never checkpointed: its records are on disk past checkpoint-2's offsets
+    assert max(r["step"] for r in read_jsonl(cut_dir / "traces.jsonl")) == 3
+    assert (cut_dir / "latest").read_text().strip() == "checkpoint-2"
+
+    t = Trainer(cfg_for(cut_dir, *opts), resume="latest")
+    assert t.step == 2
+    t.train()
+    t.close()
+    for name in ("traces.jsonl", "metrics.jsonl"):
+        full, cut = read_jsonl(full_dir / name), read_jsonl(cut_dir / name)
+        assert len(cut) == len(full)  # nothing lost, nothing written twice
+        assert untimed(cut) == untimed(full)
+    assert len({r["run_id"] for r in read_jsonl(cut_dir / "traces.jsonl")}) == 1  # the resume kept its id
+    from safetensors.torch import load_file
+
+    a = load_file(full_dir / "checkpoint-4" / "adapter_model.safetensors")
+    b = load_file(cut_dir / "checkpoint-4" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_kill_9_leaves_a_usable_checkpoint_and_traces(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "docuchat_rl", "train", "--config", str(ROOT / "config" / "default.yaml"),
+           *[a for s in FAST + [f"run.output_dir={out}", "run.steps=50", "checkpoint.every=1"]
+             for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "checkpoint-2").exists():
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "checkpoint-2").exists(), proc.stderr.read().decode()[-2000:]
+    latest = (out / "latest").read_text().strip()
+    state = json.loads((out / latest / "trainer_state.json").read_text())
+    traces = read_jsonl(out / "traces.jsonl")
+    assert {r["step"] for r in traces} >= set(range(1, state["step"] + 1))
+    # resume finishes the run with every step's records exactly once
+    cfg = cfg_for(out, f"run.steps={state['step'] + 1}")
+    t = Trainer(cfg, resume="latest")
+    t.train()
+    t.close()
+    keys = [(r["step"], r["group"], r["sample"]) for r in read_jsonl(out / "traces.jsonl")]
+    assert len(keys) == len(set(keys)) == (state["step"] + 1) * 8
+
+
+def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataError, match="empty.jsonl"):
+        Trainer(cfg_for(tmp_path, f"data.train={empty}"))
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"question": "one two " * 400, "answer": "#### 1"}) + "\n")
+    with pytest.raises(TrainingError, match="row 0 has a prompt of .* tokens"):
+        Trainer(cfg_for(tmp_path, f"data.train={long}"))
+    with pytest.raises(TrainingError, match="leaves no room for a prompt"):
+        Trainer(cfg_for(tmp_path, "rollout.max_new_tokens=600"))

@@ -1,0 +1,28 @@
+"""A user's own rewards, loaded by dotted path in tests (`tests.user_rewards:...`)."""
+
+import time
+
+
+def length_over(prompts, completions, limit=3, **kwargs):
+    return [float(len(c) > limit) for c in completions]
+
+
+def raises(prompts, completions, **kwargs):
+    raise RuntimeError("boom")
+
+
+def wrong_length(prompts, completions, **kwargs):
+    return [1.0] * (len(completions) + 1)
+
+
+def not_finite(prompts, completions, **kwargs):
+    return [float("nan"), float("inf")] + [1.0] * (len(completions) - 2)
+
+
+def not_a_number(prompts, completions, **kwargs):
+    return ["high"] * len(completions)
+
+
+def slow(prompts, completions, **kwargs):
+    time.sleep(2.0)
+    return [1.0] * len(completions)
