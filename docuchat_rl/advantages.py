@@ -28,4 +28,70 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: fl
         adv = centred
     else:
         raise ValueError(f"unknown advantage scale {scale!r}; valid: group, batch, none")
+    adv = adv.masked_fill(zero_std.unsqueeze(1), 0.0)  # float residuals / eps would leave ~1e-4 noise
     return adv.reshape(-1), zero_std
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,
+        gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over segments of T steps, N at a time.
+
+    rewards, values, dones [N, T]; dones[:, t] = 1 when the episode ended with step t's action;
+    next_value [N] = V of the state after the segment's last step (ignored where that step was done).
+        delta_t = r_t + gamma * V_{t+1} * (1 - done_t) - V_t,   A_t = delta_t + gamma * lam * (1 - done_t) * A_{t+1}
+    -> (advantages [N, T], returns = advantages + values [N, T])
+    """
+    n, t_len = rewards.shape
+    adv = torch.zeros_like(rewards, dtype=torch.float32)  # [N, T]
+    last = torch.zeros(n, dtype=torch.float32, device=rewards.device)  # A_{t+1}
+    nxt = next_value.float()  # V_{t+1}
+    for t in reversed(range(t_len)):
+        alive = 1.0 - dones[:, t].float()
+        delta = rewards[:, t] + gamma * nxt * alive - values[:, t]
+        last = delta + gamma * lam * alive * last
+        adv[:, t] = last
+        nxt = values[:, t].float()
+    return adv, adv + values
+
+
+def nstep_returns(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,
+                  gamma: float, n: int | None = None) -> torch.Tensor:
+    """n-step discounted returns, bootstrapped from the critic, with dones cutting the sum.
+
+    R_t = sum_{k<m} gamma^k r_{t+k} + gamma^m V_{t+m}, where the window stops after n steps, at the end
+    of the segment (bootstrapping from next_value there), or at a done (no bootstrap). n=None runs to the
+    segment's end: the classic A2C recursion R_t = r_t + gamma * R_{t+1} * (1 - done_t), R_T = next_value.
+    rewards, values, dones [N, T]; next_value [N] -> returns [N, T]
+    """
+    n_rows, t_len = rewards.shape
+    if n is None or n >= t_len:
+        out = torch.zeros_like(rewards, dtype=torch.float32)  # [N, T]
+        running = next_value.float()  # [N]
+        for t in reversed(range(t_len)):
+            running = rewards[:, t] + gamma * running * (1.0 - dones[:, t].float())
+            out[:, t] = running
+        return out
+    dev = rewards.device
+    steps = torch.arange(t_len, device=dev)
+    m = (t_len - steps).clamp(max=n)  # [T] window length: n, or up to the segment end
+    r_ext = torch.cat([rewards.float(), torch.zeros(n_rows, n, device=dev)], 1)  # [N, T + n]
+    d_ext = torch.cat([dones.float(), torch.ones(n_rows, n, device=dev)], 1)  # [N, T + n]
+    v_ext = torch.cat([values.float(), next_value.float().unsqueeze(1)], 1)  # [N, T + 1]: V_T = next_value
+    out = torch.zeros(n_rows, t_len, device=dev)  # [N, T]
+    alive = torch.ones(n_rows, t_len, device=dev)  # no done so far inside the window
+    alive_at = [alive]
+    for k in range(n):
+        out += (gamma ** k) * alive * r_ext[:, k:k + t_len]
+        alive = alive * (1.0 - d_ext[:, k:k + t_len])
+        alive_at.append(alive)
+    alive_m = torch.stack(alive_at).gather(0, m.view(1, 1, -1).expand(1, n_rows, t_len)).squeeze(0)  # [N, T]
+    boot = v_ext.gather(1, (steps + m).unsqueeze(0).expand(n_rows, t_len))  # [N, T] V_{t+m}
+    return out + (gamma ** m.float()) * alive_m * boot
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (advantage whitening); masked-out entries become 0."""
+    n = mask.sum().clamp(min=1.0)
+    mean = (x * mask).sum() / n
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1.0)
+    return (x - mean) / (var.sqrt() + eps) * mask

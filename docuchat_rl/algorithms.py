@@ -6,6 +6,7 @@ The trainer calls every algorithm the same way and never looks at its name:
     algo.advantages(batch)                      -> metrics; fills batch.advantages [R, T]
     algo.loss(policy_output, micro_batch, norm) -> (loss, metrics)
     algo.critic                                 -> None, or a module trained and saved with the adapter
+    algo.rollout_values(model, batch)           -> (with a critic) fills batch.values [R, T]
     algo.trace_fields(batch)                    -> per-row values for the traces
 
 Deliberately left out: algorithms that need a separate reward model or a second policy copy in memory.
@@ -17,9 +18,10 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .advantages import group_advantages
+from .advantages import gae, group_advantages, nstep_returns, whiten
 from .batch import Batch, PolicyOutput
-from .losses import Norm, aggregate, clipped_surrogate, k3_kl, log_ratio, masked_mean
+from .losses import (Norm, aggregate, clipped_surrogate, explained_variance, k3_kl, log_ratio, masked_mean,
+                     value_loss)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -51,6 +53,10 @@ def algorithm_names() -> list[str]:
 class Algorithm:
     name: ClassVar[str] = "algorithm"
     critic: torch.nn.Module | None = None
+    #: the rollout-time log-probs are needed even for a single on-policy update (e.g. KL in the reward)
+    needs_rollout_logps: bool = False
+    #: the loss differentiates through the entropy (an entropy bonus)
+    entropy_grad: bool = False
 
     def __init__(self, cfg: Config, hidden_size: int | None = None):
         self.cfg = cfg
@@ -79,7 +85,7 @@ class Algorithm:
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)
         per_token, low, high = clipped_surrogate(log_rho, mb.advantages, a.epsilon_low, a.epsilon_high)
         metrics: dict[str, float] = {}
-        if a.beta > 0:
+        if a.beta > 0 and not a.kl_in_reward:
             kl = k3_kl(out.logps, mb.ref_logps)  # [r, T]
             per_token = per_token + a.beta * kl
             metrics["kl"] = float(masked_mean(kl.detach(), mask))
@@ -113,3 +119,134 @@ class GRPO(Algorithm):
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Norm):
         return self.policy_loss(out, mb, norm)
+
+
+class ValueHead(torch.nn.Module):
+    """V(s_t) from the policy's last hidden state at the position that predicts token t.
+
+    Shares the LoRA backbone: the value loss trains the adapter too (scaled by vf_coef). Orthogonal
+    init with a small gain, as in the standard PPO recipes, so initial values are near 0.
+    """
+
+    def __init__(self, hidden_size: int, gain: float):
+        super().__init__()
+        self.v = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.orthogonal_(self.v.weight, gain=gain)
+        torch.nn.init.zeros_(self.v.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.v(hidden.float()).squeeze(-1)  # [R, T, H] -> [R, T]
+
+
+def token_rewards(batch: Batch, beta: float, kl_in_reward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token MDP: the sequence reward on the last completion token, optionally minus beta * KL per
+    token (k1: log pi_old - log pi_ref). -> (rewards [R, T], dones [R, T], 1 at the last token)"""
+    mask = batch.completion_mask
+    last = (mask.sum(-1).long() - 1).clamp(min=0)  # [R]
+    dones = torch.zeros_like(mask)
+    dones[torch.arange(batch.rows), last] = 1.0
+    rewards = dones * batch.rewards.unsqueeze(-1)  # [R, T]
+    if kl_in_reward and beta > 0:
+        rewards = rewards - beta * (batch.old_logps - batch.ref_logps) * mask
+    return rewards, dones
+
+
+class ActorCritic(Algorithm):
+    """Shared parts of PPO and A2C: the value head, rollout-time values, token rewards, the loss terms."""
+
+    def __init__(self, cfg: Config, hidden_size: int | None = None):
+        super().__init__(cfg, hidden_size)
+        self.critic = ValueHead(hidden_size, cfg.algorithm.critic_gain)
+
+    @property
+    def needs_rollout_logps(self) -> bool:
+        return self.cfg.algorithm.kl_in_reward and self.cfg.algorithm.beta > 0
+
+    @property
+    def entropy_grad(self) -> bool:
+        return self.cfg.algorithm.ent_coef > 0
+
+    @torch.no_grad()
+    def rollout_values(self, model, batch: Batch) -> None:
+        from .batch import policy_forward
+
+        values = torch.zeros_like(batch.completion_mask)  # [R, T]
+        for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
+            mb = batch.select(rows)
+            out = policy_forward(model, mb, self.cfg.rollout.temperature, with_hidden=True)
+            values[rows, :out.hidden.shape[1]] = self.critic(out.hidden)
+        batch.values = values * batch.completion_mask
+
+    def returns_and_advantages(self, batch: Batch, rewards, dones) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def advantages(self, batch: Batch) -> dict[str, float]:
+        a, mask = self.cfg.algorithm, batch.completion_mask
+        rewards, dones = token_rewards(batch, a.beta, a.kl_in_reward)
+        adv, ret = self.returns_and_advantages(batch, rewards, dones)
+        batch.returns = ret * mask
+        batch.advantages = whiten(adv, mask) if a.whiten_advantages else adv * mask
+        return {"value/mean": float(masked_mean(batch.values, mask)),
+                "value/explained_variance": explained_variance(batch.values, batch.returns, mask),
+                "value/error": float(masked_mean((batch.values - batch.returns) ** 2, mask)),
+                "return/mean": float(masked_mean(batch.returns, mask))}
+
+    def critic_terms(self, out: PolicyOutput, mb: Batch, norm: Norm, clip: float | None):
+        """vf_coef * value loss - ent_coef * entropy, aggregated like the policy loss, and metrics."""
+        a, mask = self.cfg.algorithm, mb.completion_mask
+        values = self.critic(out.hidden)  # [r, T]
+        vloss = aggregate(value_loss(values, mb.values, mb.returns, clip), mask, a.loss_aggregation, norm)
+        total = a.vf_coef * vloss
+        if a.ent_coef > 0:
+            total = total - a.ent_coef * aggregate(out.entropy, mask, a.loss_aggregation, norm)
+        return total, {"value_loss": float(vloss.detach()) * norm.rows / max(mb.rows, 1)}
+
+    def trace_fields(self, batch: Batch) -> dict[str, list]:
+        fields = super().trace_fields(batch)
+        fields["value"] = batch.values[:, 0].tolist()  # V(prompt): the critic's expected reward
+        return fields
+
+
+@register_algorithm("ppo")
+class PPO(ActorCritic):
+    """PPO on the token MDP: GAE(gamma, lambda), clipped surrogate, clipped value loss, entropy bonus.
+
+    `algorithm.num_iterations` is the number of PPO epochs over the rollout's minibatches.
+    """
+
+    def returns_and_advantages(self, batch, rewards, dones):
+        a = self.cfg.algorithm
+        return gae(rewards, batch.values, dones, torch.zeros(batch.rows, device=rewards.device), a.gamma, a.lam)
+
+    def loss(self, out: PolicyOutput, mb: Batch, norm: Norm):
+        policy, metrics = self.policy_loss(out, mb, norm)
+        critic, cm = self.critic_terms(out, mb, norm, self.cfg.algorithm.vf_clip)
+        return policy + critic, {**metrics, **cm}
+
+
+@register_algorithm("a2c")
+class A2C(ActorCritic):
+    """Synchronous advantage actor-critic: n-step returns bootstrapped from the critic, A = R - V,
+    loss = -A * log pi - ent_coef * H + vf_coef * 0.5 * (R - V)^2; no ratio, no clipping, one update."""
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> str | None:
+        if cfg.algorithm.num_iterations != 1:
+            return ("config key 'algorithm.num_iterations': a2c makes a single on-policy update per rollout "
+                    f"(got {cfg.algorithm.num_iterations}); use ppo for several epochs")
+        return None
+
+    def returns_and_advantages(self, batch, rewards, dones):
+        a = self.cfg.algorithm
+        ret = nstep_returns(rewards, batch.values, dones, torch.zeros(batch.rows, device=rewards.device),
+                            a.gamma, a.n_steps)
+        return ret - batch.values, ret
+
+    def loss(self, out: PolicyOutput, mb: Batch, norm: Norm):
+        a, mask = self.cfg.algorithm, mb.completion_mask
+        policy = aggregate(-mb.advantages * out.logps, mask, a.loss_aggregation, norm)
+        critic, cm = self.critic_terms(out, mb, norm, None)
+        metrics = {**cm}
+        if out.entropy is not None:
+            metrics["entropy"] = float(masked_mean(out.entropy.detach(), mask))
+        return policy + critic, metrics

@@ -95,14 +95,20 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
-                   with_hidden: bool = False) -> PolicyOutput:
-    """Log-probs of each completion token under `model`; logits only for completion positions."""
+                   with_hidden: bool = False, entropy_grad: bool = False) -> PolicyOutput:
+    """Log-probs of each completion token under `model`; logits only for completion positions.
+
+    The entropy is a diagnostic (no grad) unless `entropy_grad`, for losses with an entropy bonus.
+    """
     t = batch.completion_mask.shape[1]
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=position_ids(batch.attention_mask), logits_to_keep=t + 1,
                 output_hidden_states=with_hidden, use_cache=False)
     logits = out.logits[:, :-1, :] / temperature  # [R, T, V]: position j predicts completion token j
     logps = token_logprobs(logits, batch.completion_ids)  # [R, T]
-    entropy = token_entropy(logits) if with_entropy else None  # [R, T]
+    entropy = None
+    if with_entropy or entropy_grad:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = token_entropy(logits)  # [R, T]
     hidden = out.hidden_states[-1][:, -t - 1:-1, :] if with_hidden else None  # [R, T, H]
     return PolicyOutput(logps, entropy, hidden)

@@ -30,8 +30,21 @@ def parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter) to apply")
     e.add_argument("--out", default=None, help="write the JSON here as well as to stdout")
-    a = sub.add_parser("audit", help="inspect reward traces of a run (not yet: see issue 6)")
-    a.add_argument("run_dir", nargs="?", help="a run folder or a traces.jsonl file")
+    a = sub.add_parser("audit", help="summaries, filters, reward-hacking detectors, compare, HTML report of traces",
+                       description="Audit reward traces. Filters are DuckDB SQL expressions over the trace "
+                       "fields and one struct per reward component, e.g. --where \"correctness.raw == 0 and "
+                       "format.raw == 1\" --sort \"advantage desc\" --limit 5.")
+    a.add_argument("runs", nargs="*", help="run folders or trace files (several are read together)")
+    a.add_argument("--where", help="SQL filter, e.g. \"advantage > 1 and step >= 100\"")
+    a.add_argument("--sort", help="SQL order, e.g. \"total desc\"")
+    a.add_argument("--limit", type=int, default=None, help="most records shown/exported (default 10 shown)")
+    a.add_argument("--export", help="write the selection to a .jsonl or .csv file")
+    a.add_argument("--html", help="write a self-contained HTML report here")
+    a.add_argument("--bins", type=int, default=5, help="step ranges in the summary and detectors")
+    a.add_argument("--accuracy", default="correctness", help="component used as accuracy")
+    a.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                   help="two selections RUN[@STEP[-STEP]]: prompts that flipped correct<->wrong")
+    a.add_argument("--json", action="store_true", help="machine-readable output")
     c = sub.add_parser("config", help="print the resolved config, or every key with its doc")
     _common(c)
     c.add_argument("--explain", action="store_true", help="list every key with its default and doc")
@@ -101,8 +114,62 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_audit(args) -> int:
+    from rich.console import Console
+
+    from .audit import AuditError, TraceStore, compare, export
+    from .report import html_report, print_findings, print_records, print_summary
+
+    console = Console()
+    if args.compare:
+        result = compare(*args.compare, accuracy=args.accuracy)
+        if args.json:
+            print(json.dumps(result, default=str))
+        else:
+            console.print(f"{result['prompts_in_both']} prompts in both; correct: {result['correct_a']} in A, "
+                          f"{result['correct_b']} in B; [red]{result['correct_to_wrong']} correct -> wrong[/], "
+                          f"[green]{result['wrong_to_correct']} wrong -> correct[/]")
+            for key in ("examples_correct_to_wrong", "examples_wrong_to_correct"):
+                for e in result[key]:
+                    console.print(f"  {key.removeprefix('examples_')}: prompt {e['prompt_id']} "
+                                  f"({e['a']:.2f} -> {e['b']:.2f}): {e['prompt'][:100]}")
+        return 0
+    if not args.runs:
+        raise AuditError("give a run folder or a traces file (or --compare A B)")
+    with TraceStore(args.runs) as store:
+        selecting = args.where or args.sort or args.export or args.limit is not None
+        if selecting:
+            rows = store.select(args.where, args.sort, args.limit if args.limit is not None else
+                                (None if args.export else 10))
+            if args.export:
+                export(rows, args.export)
+                console.print(f"wrote {len(rows)} records to {args.export}")
+            elif args.json:
+                print(json.dumps(rows, default=str))
+            else:
+                total = store.count(args.where)
+                print_records(rows, store.components, console)
+                console.print(f"showing {len(rows)} of {total} matching records")
+        summary = findings = None
+        if not selecting or args.html:
+            summary = store.summary(args.bins, args.accuracy)
+            findings = store.detect(args.bins, args.accuracy)
+        if not selecting:
+            if args.json:
+                print(json.dumps({"summary": summary, "findings": [f.__dict__ for f in findings],
+                                  "malformed": store.malformed}, default=str))
+            else:
+                print_summary(summary, findings, store.malformed, console)
+        if args.html:
+            Path(args.html).write_text(html_report(store, summary, findings, f"docuchat-rl audit: "
+                                                   f"{', '.join(map(str, args.runs))}"))
+            console.print(f"wrote {args.html}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from .audit import AuditError
     from .config import ConfigError
     from .data import DataError
 
@@ -113,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_eval(args)
         if args.command == "config":
             return cmd_config(args)
-        print("docuchat-rl audit: not yet (see issue 6)", file=sys.stderr)
-        return 2
-    except (ConfigError, DataError) as e:
+        return cmd_audit(args)
+    except (ConfigError, DataError, AuditError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
         return 2

@@ -120,6 +120,24 @@ class AlgorithmConfig(Section):
     """Policy updates (mu) per rollout, all against the log-probs recorded at rollout time."""
     std_epsilon: float = Field(1e-4, gt=0)
     """Added to the std before dividing the advantages."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """PPO/A2C: discount per completion token (1 = undiscounted, the usual choice for LMs)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """PPO: GAE lambda."""
+    n_steps: int | None = Field(None, ge=1)
+    """A2C: bootstrap from the critic after n tokens (null: return to the end of the completion)."""
+    whiten_advantages: bool = True
+    """PPO/A2C: normalise advantages to mean 0, std 1 over the batch's tokens."""
+    vf_coef: float = Field(0.5, ge=0)
+    """PPO/A2C: weight of the value loss."""
+    vf_clip: float | None = Field(0.2, gt=0)
+    """PPO: clip range of the value update around the rollout-time value (null: unclipped)."""
+    ent_coef: float = Field(0.0, ge=0)
+    """PPO/A2C: weight of the entropy bonus (0 skips the entropy gradient, which costs a full softmax)."""
+    kl_in_reward: bool = False
+    """PPO/A2C: subtract beta * (log pi_old - log pi_ref) from each token's reward instead of a KL loss."""
+    critic_gain: float = Field(0.01, gt=0)
+    """PPO/A2C: orthogonal-init gain of the value head (small, so initial values are near 0)."""
 
 
 class RewardSpec(Section):
@@ -212,6 +230,8 @@ class EvalConfig(Section):
     """Prompts per generate call in eval."""
     before_and_after: bool = True
     """`train` evaluates the model before and after training."""
+    every: int | None = Field(None, ge=1)
+    """Also evaluate every N training steps during `train`, appending to eval.jsonl (null: never)."""
 
 
 class RunConfig(Section):

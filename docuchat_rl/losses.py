@@ -26,9 +26,8 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(logits, dim=-1)  # [R, T]
 
 
-@torch.no_grad()
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's distribution. logits [R, T, V] -> [R, T]"""
+    """Entropy of each position's distribution (differentiable). logits [R, T, V] -> [R, T]"""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [R, T, V]
     return -(logp.exp() * logp).sum(-1)  # [R, T]
 
@@ -91,3 +90,25 @@ def clipped_surrogate(log_rho: torch.Tensor, adv: torch.Tensor, eps_low: float, 
     low = (rho < 1.0 - eps_low) & (adv < 0)  # the clip binds on the low side
     high = (rho > 1.0 + eps_high) & (adv > 0)
     return loss, low.expand_as(loss), high.expand_as(loss)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               clip: float | None) -> torch.Tensor:
+    """Per-token critic loss 0.5 * (V - R)^2, or PPO's clipped form when `clip` is set:
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2).  All [R, T] -> [R, T]
+    """
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped
+    clipped = (old_values + torch.clamp(values - old_values, -clip, clip) - returns) ** 2
+    return 0.5 * torch.max(unclipped, clipped)
+
+
+def explained_variance(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(target - pred) / Var(target) over the masked entries (1 = perfect, 0 = no better than the mean)."""
+    n = mask.sum().clamp(min=1.0)
+    mean_t = (target * mask).sum() / n
+    var_t = (((target - mean_t) * mask) ** 2).sum() / n
+    diff = (target - pred) * mask
+    var_d = ((diff - diff.sum() / n) * mask).pow(2).sum() / n
+    return float("nan") if var_t == 0 else float(1.0 - var_d / var_t)

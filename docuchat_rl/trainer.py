@@ -149,12 +149,14 @@ class Trainer:
                                       strict=cfg.rewards.strict, timeout_s=cfg.rewards.timeout_s)
         self.sampler = PromptSampler(len(self.examples), cfg.run.seed)
         self.step, self.run_id = 0, uuid.uuid4().hex[:12]
-        offsets = {"traces": None, "metrics": None}
+        offsets: dict = {}
         if resume:
             offsets = self._load(resolve_resume(resume, self.out_dir))
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets["traces"])
-        self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets["metrics"])
+        self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets.get("traces"))
+        self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets.get("metrics"))
+        self.evals = JsonlWriter(self.out_dir / "eval.jsonl", offsets.get("evals"))
+        self._eval_examples: list[Example] | None = None
         self.wandb = self._init_wandb()
 
     # ---------------------------------------------------------------- set-up checks
@@ -262,7 +264,7 @@ class Trainer:
     def advantages(self, batch: Batch, timer: Timer) -> dict[str, float]:
         with timer("advantages"):
             n_minibatches = -(-batch.rows // self.cfg.minibatch_rows)
-            if self.cfg.algorithm.num_iterations > 1 or n_minibatches > 1:
+            if self.cfg.algorithm.num_iterations > 1 or n_minibatches > 1 or self.algo.needs_rollout_logps:
                 self._forward_no_grad(batch, "old_logps")  # once per rollout, reused by every update
             if self.cfg.algorithm.beta > 0:
                 self._forward_no_grad(batch, "ref_logps", disable_adapter=True)
@@ -286,7 +288,8 @@ class Trainer:
                     for rows in mb_rows.split(cfg.optim.micro_batch_size):
                         mb = batch.select(rows)
                         out = policy_forward(self.model, mb, cfg.rollout.temperature, with_entropy=True,
-                                             with_hidden=self.algo.critic is not None)
+                                             with_hidden=self.algo.critic is not None,
+                                             entropy_grad=self.algo.entropy_grad)
                         loss, m = self.algo.loss(out, mb, norm)
                         self.accelerator.backward(loss)
                         total += float(loss.detach())
@@ -363,7 +366,8 @@ class Trainer:
             write_json(folder / "run_config.json", {"step": step, "config": self.cfg.to_dict()})
             write_json(folder / "trainer_state.json", {
                 "step": step, "run_id": self.run_id, "sampler": self.sampler.state(),
-                "offsets": {"traces": self.traces.offset, "metrics": self.metrics.offset}})
+                "offsets": {"traces": self.traces.offset, "metrics": self.metrics.offset,
+                            "evals": self.evals.offset}})
 
         return save_checkpoint(self.out_dir, step, write_into, self.cfg.checkpoint.keep_last)
 
@@ -383,6 +387,20 @@ class Trainer:
         self.sampler = PromptSampler(len(self.examples), self.cfg.run.seed, **state["sampler"])
         return state["offsets"]
 
+    def evaluate(self, step: int, started: float) -> dict:
+        """Held-out evaluation (greedy: it draws no random numbers, so the run is unchanged by it)."""
+        from .evaluate import evaluate
+
+        if self._eval_examples is None:
+            d = self.cfg.data
+            self._eval_examples = load_examples(d.test, d.test_split, d.prompt_column, d.answer_column,
+                                                limit=self.cfg.eval.limit, revision=d.revision, subset=d.subset)
+        model = self.accelerator.unwrap_model(self.model)
+        result = {"step": step, "minutes": round((time.perf_counter() - started) / 60, 3),
+                  **evaluate(model, self.tokenizer, self.cfg, self._eval_examples)}
+        self.evals.write([result])
+        return result
+
     # ---------------------------------------------------------------- the loop
     def train(self, stop_after: int | None = None) -> list[dict]:
         """Run to `run.steps` (or stop after step `stop_after`, for tests). Returns the metric records."""
@@ -392,6 +410,7 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        started = time.perf_counter()
         for step in range(self.step + 1, cfg.run.steps + 1):
             timer = Timer()
             parts, _ = self.collect(timer)
@@ -404,6 +423,9 @@ class Trainer:
             m = self.log(step, rows, batch, {**adv_metrics, **upd_metrics}, timer, parts)
             history.append(m)
             self.step = step
+            if cfg.eval.every and cfg.data.test and step % cfg.eval.every == 0:
+                ev = self.evaluate(step, started)
+                m["eval/accuracy"] = ev.get("accuracy")
             if step % cfg.checkpoint.every == 0 or step == cfg.run.steps:
                 self.checkpoint(step)
             if bar is not None:
@@ -417,7 +439,7 @@ class Trainer:
         return history
 
     def close(self) -> None:
-        self.traces.close()
-        self.metrics.close()
+        for writer in (self.traces, self.metrics, self.evals):
+            writer.close()
         if self.wandb is not None:
             self.wandb.finish()

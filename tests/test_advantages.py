@@ -27,9 +27,11 @@ def test_group_advantages_match_reference(scale):
     assert zero.tolist() == ref_zero == [False, True, False]
 
 
-def test_zero_variance_group_gets_zero_advantage():
-    adv, zero = group_advantages(torch.tensor([0.5, 0.5, 0.5]), 3, "group")
-    assert adv.tolist() == [0.0, 0.0, 0.0] and zero.tolist() == [True]
+def test_zero_variance_group_gets_exactly_zero_advantage():
+    # 0.2 is not exact in float32: the centred values are ~1e-8, which / eps would be ~1e-4, not 0
+    for scale in ("group", "batch", "none"):
+        adv, zero = group_advantages(torch.tensor([0.2, 0.2, 0.2, 1.2, 0.2, 0.2]), 3, scale)
+        assert adv[:3].tolist() == [0.0, 0.0, 0.0] and zero.tolist() == [True, False]
 
 
 def test_hand_computed_pair():
@@ -41,3 +43,95 @@ def test_hand_computed_pair():
 def test_rows_must_split_into_groups():
     with pytest.raises(ValueError, match="groups of 4"):
         group_advantages(torch.zeros(6), 4, "group")
+
+
+# ---------------------------------------------------------------- GAE and n-step returns vs slow loops
+from docuchat_rl.advantages import gae, nstep_returns, whiten  # noqa: E402
+
+
+def _ref_gae(r, v, d, nv, gamma, lam):
+    n, t_len = len(r), len(r[0])
+    adv = [[0.0] * t_len for _ in range(n)]
+    for i in range(n):
+        for t in range(t_len):  # forward definition: sum of discounted deltas until a done
+            total, coef = 0.0, 1.0
+            for k in range(t, t_len):
+                nxt = nv[i] if k + 1 == t_len else v[i][k + 1]
+                delta = r[i][k] + gamma * nxt * (1 - d[i][k]) - v[i][k]
+                total += coef * delta
+                if d[i][k]:
+                    break
+                coef *= gamma * lam
+            adv[i][t] = total
+    return adv
+
+
+def _ref_nstep(r, v, d, nv, gamma, n):
+    rows, t_len = len(r), len(r[0])
+    out = [[0.0] * t_len for _ in range(rows)]
+    for i in range(rows):
+        for t in range(t_len):
+            total, k, done = 0.0, 0, False
+            while k < (n or t_len) and t + k < t_len:
+                total += gamma ** k * r[i][t + k]
+                if d[i][t + k]:
+                    done = True
+                    break
+                k += 1
+            if not done:
+                boot = nv[i] if t + k == t_len else v[i][t + k]
+                total += gamma ** k * boot
+            out[i][t] = total
+    return out
+
+
+def _episodes():
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(3, 9, generator=g)
+    v = torch.randn(3, 9, generator=g)
+    d = torch.zeros(3, 9)
+    d[0, 2] = d[0, 6] = 1  # two episode ends inside the segment
+    d[1, 8] = 1  # ends exactly at the segment end: no bootstrap
+    nv = torch.tensor([0.7, -5.0, 1.3])  # row 2 never ends: bootstrap from next_value
+    return r, v, d, nv
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.99, 0.95), (1.0, 1.0), (0.9, 0.0)])
+def test_gae_matches_reference_loop_with_dones(gamma, lam):
+    r, v, d, nv = _episodes()
+    adv, ret = gae(r, v, d, nv, gamma, lam)
+    ref = _ref_gae(r.tolist(), v.tolist(), d.tolist(), nv.tolist(), gamma, lam)
+    assert torch.allclose(adv, torch.tensor(ref), atol=1e-5)
+    assert torch.allclose(ret, adv + v)
+
+
+def test_gae_lambda_one_is_monte_carlo_minus_value():
+    r, v, d, nv = _episodes()
+    adv, _ = gae(r, v, d, nv, 0.97, 1.0)
+    mc = nstep_returns(r, v, d, nv, 0.97)
+    assert torch.allclose(adv, mc - v, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [None, 1, 3, 5, 9, 20])
+def test_nstep_returns_match_reference_loop_with_dones(n):
+    r, v, d, nv = _episodes()
+    out = nstep_returns(r, v, d, nv, 0.9, n)
+    ref = _ref_nstep(r.tolist(), v.tolist(), d.tolist(), nv.tolist(), 0.9, n)
+    assert torch.allclose(out, torch.tensor(ref), atol=1e-5)
+
+
+def test_nstep_hand_case():
+    # r = [1, 2, 3], no dones, V = [10, 20, 30], next_value 40, gamma 0.5
+    r, v, d = torch.tensor([[1.0, 2, 3]]), torch.tensor([[10.0, 20, 30]]), torch.zeros(1, 3)
+    assert nstep_returns(r, v, d, torch.tensor([40.0]), 0.5, 1).tolist() == [[11.0, 17.0, 23.0]]
+    # full: R2 = 3 + .5*40 = 23, R1 = 2 + .5*23 = 13.5, R0 = 1 + .5*13.5 = 7.75
+    assert nstep_returns(r, v, d, torch.tensor([40.0]), 0.5).tolist() == [[7.75, 13.5, 23.0]]
+
+
+def test_whiten_masked():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, -100.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    w = whiten(x, mask)
+    assert w[:, 2].tolist() == [0.0, 0.0]
+    assert (w * mask).sum().item() == pytest.approx(0.0, abs=1e-6)
+    assert ((w[:, :2] ** 2).sum() / 3).item() == pytest.approx(1.0, rel=1e-5)

@@ -45,7 +45,7 @@ BAD = [
     (["rollout.num_generations=many"], "'rollout.num_generations'.*integer", "wrong type"),
     (["rollout.temperature=0"], "'rollout.temperature'.*greater than 0", "out of range"),
     (["algorithm.scale=mean"], "'algorithm.scale'.*'group', 'batch' or 'none'", "not one of the choices"),
-    (["algorithm.name=reinforce"], "'algorithm.name'.*unknown algorithm 'reinforce'; valid: grpo",
+    (["algorithm.name=reinforce"], "'algorithm.name'.*unknown algorithm 'reinforce'; valid: a2c, grpo, ppo",
      "unknown algorithm lists the valid ones"),
     (["rewards.0.name=corectness"], "'rewards.components.0.name'.*registered rewards are",
      "unknown reward lists the registered ones"),

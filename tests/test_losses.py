@@ -99,3 +99,34 @@ def test_sequence_ratio_is_masked_token_mean():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     assert log_ratio(new, old, mask, "sequence").tolist() == [[0.5]]  # (1 + 0) / 2, padding ignored
     assert log_ratio(new, old, mask, "token").tolist() == [[1.0, 0.0, 5.0]]
+
+
+# ---------------------------------------------------------------- value loss
+from docuchat_rl.losses import explained_variance, value_loss  # noqa: E402
+
+
+def test_clipped_value_loss_hand_cases():
+    old = torch.tensor([[1.0, 1.0, 1.0]])
+    ret = torch.tensor([[2.0, 2.0, 0.0]])
+    new = torch.tensor([[1.1, 3.0, 3.0]])
+    # t0: inside the clip: 0.5*(1.1-2)^2 = 0.405
+    # t1: V moved +2 (clipped to 1.2): max((3-2)^2, (1.2-2)^2) = 1 -> 0.5
+    # t2: V moved +2 away from R=0: max(9, 1.44) = 9 -> 4.5 (the pessimistic max keeps the unclipped)
+    got = value_loss(new, old, ret, clip=0.2)
+    assert torch.allclose(got, torch.tensor([[0.405, 0.5, 4.5]]))
+    assert torch.allclose(value_loss(new, old, ret, clip=None), torch.tensor([[0.405, 0.5, 4.5]]))
+    # a case where clipping raises the loss: V jumps past R, the clipped estimate stays far from it
+    got = value_loss(torch.tensor([[2.1]]), torch.tensor([[0.0]]), torch.tensor([[2.0]]), clip=0.5)
+    assert got.item() == pytest.approx(0.5 * (0.5 - 2.0) ** 2)
+
+
+def test_clipped_value_gradient_stops_past_the_clip():
+    new = torch.tensor([[2.1]], requires_grad=True)
+    value_loss(new, torch.tensor([[0.0]]), torch.tensor([[2.0]]), clip=0.5).sum().backward()
+    assert new.grad.item() == 0.0  # the clipped branch wins and is constant in V
+
+
+def test_explained_variance():
+    target, mask = torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4)
+    assert explained_variance(target, target, mask) == pytest.approx(1.0)
+    assert explained_variance(torch.full((1, 4), 2.5), target, mask) == pytest.approx(0.0)

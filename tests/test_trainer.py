@@ -163,3 +163,35 @@ def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
         Trainer(cfg_for(tmp_path, f"data.train={long}"))
     with pytest.raises(TrainingError, match="leaves no room for a prompt"):
         Trainer(cfg_for(tmp_path, "rollout.max_new_tokens=600"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo,extra", [
+    ("ppo", ["algorithm.num_iterations=2", "optim.minibatch_size=4", "algorithm.ent_coef=0.01",
+             "algorithm.beta=0.05", "algorithm.kl_in_reward=true"]),
+    ("a2c", ["optim.name=rmsprop", "optim.eps=1e-5", "algorithm.n_steps=8", "algorithm.ent_coef=0.01"]),
+])
+def test_actor_critic_runs_traces_values_and_resumes_bit_identically(tmp_path, algo, extra):
+    opts = [f"algorithm.name={algo}", "rollout.num_generations=1", "rollout.prompts_per_step=8",
+            "run.steps=3", "checkpoint.every=2", *extra]
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    t = Trainer(cfg_for(full_dir, *opts))
+    history = t.train()
+    t.close()
+    for key in ("value/mean", "value/explained_variance", "value_loss", "entropy", "grad_norm"):
+        assert key in history[0], key
+    traces = read_jsonl(full_dir / "traces.jsonl")
+    assert len(traces) == 3 * 8 and all(r["value"] is not None and r["advantage"] is not None for r in traces)
+    t = Trainer(cfg_for(cut_dir, *opts))
+    t.train(stop_after=2)
+    t.close()
+    t = Trainer(cfg_for(cut_dir, *opts), resume="latest")
+    t.train()
+    t.close()
+    for name in ("traces.jsonl", "metrics.jsonl"):
+        assert untimed(read_jsonl(cut_dir / name)) == untimed(read_jsonl(full_dir / name))
+    from safetensors.torch import load_file
+
+    for f in ("critic.safetensors", "adapter_model.safetensors"):
+        a, b = load_file(full_dir / "checkpoint-3" / f), load_file(cut_dir / "checkpoint-3" / f)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f

@@ -1,0 +1,348 @@
+"""Audit reward traces: summaries, SQL filters, reward-hacking detectors, comparisons, HTML reports.
+
+The trace files are loaded into a temporary on-disk DuckDB database (bounded memory for millions of
+records): every line is read as text first, so a malformed or torn line is reported with its file and
+line number and skipped. Each reward component becomes a STRUCT column, so filters read naturally:
+
+    correctness.raw == 0 and format.raw == 1        advantage > 1        step >= 100
+    "tests.mod:my_reward".error is not null         completion ilike '%sorry%'
+
+Filters are DuckDB SQL expressions, never Python. After loading, file access is switched off and the
+configuration locked, and a filter must parse as one expression of one statement: it can only read the
+traces. `group` is an SQL keyword: write "group".
+
+Deliberately left out: live dashboards; `--html` writes a static, self-contained page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BASE_COLUMNS = {  # trace field -> DuckDB type
+    "run_id": "VARCHAR", "step": "BIGINT", "prompt_id": "BIGINT", "group": "BIGINT", "sample": "BIGINT",
+    "used": "BOOLEAN", "prompt": "VARCHAR", "completion": "VARCHAR", "gold": "VARCHAR",
+    "completion_tokens": "BIGINT", "truncated": "BOOLEAN", "total": "DOUBLE", "advantage": "DOUBLE",
+    "value": "DOUBLE",
+}
+
+
+class AuditError(ValueError):
+    """Bad input to the audit (a path, an expression, a selection): the message says which."""
+
+
+def trace_files(path: str | Path) -> list[Path]:
+    p = Path(path)
+    if p.is_dir():
+        if (p / "traces.jsonl").exists():
+            return [p / "traces.jsonl"]
+        found = sorted(p.glob("*.jsonl"))
+        if found:
+            return found
+        raise AuditError(f"{p}: no traces.jsonl (or *.jsonl) in this folder")
+    if not p.exists():
+        raise AuditError(f"{p}: no such file or folder")
+    return [p]
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _lit(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+@dataclass
+class Finding:
+    check: str
+    fired: bool
+    detail: str
+    threshold: str
+    examples: list[dict] = field(default_factory=list)
+
+
+class TraceStore:
+    """One or more trace files as a table `traces`, plus the malformed lines found while loading."""
+
+    def __init__(self, sources: list[str | Path], memory_limit: str = "1GB"):
+        import duckdb
+
+        self._tmp = tempfile.TemporaryDirectory(prefix="docuchat-audit-")
+        self.con = duckdb.connect(str(Path(self._tmp.name) / "audit.duckdb"))
+        self.con.execute(f"SET memory_limit={_lit(memory_limit)}")
+        self.con.execute(f"SET temp_directory={_lit(self._tmp.name)}")
+        self.malformed: list[dict] = []
+        files = [f for s in sources for f in trace_files(s)]
+        self.con.execute("CREATE TABLE raw (source VARCHAR, lineno BIGINT, line VARCHAR)")
+        for f in files:
+            # every line as one text value: a delimiter and quote that never occur in JSONL
+            self.con.execute(
+                f"INSERT INTO raw SELECT {_lit(str(f))}, row_number() OVER (), line FROM read_csv("
+                f"{_lit(str(f))}, columns={{'line': 'VARCHAR'}}, header=false, delim='\\x01', quote='', "
+                "escape='', auto_detect=false, strict_mode=false)")
+        self.malformed = [{"source": s, "line": n, "text": (t or "")[:120]} for s, n, t in self.con.execute(
+            "SELECT source, lineno, line FROM raw WHERE line IS NOT NULL AND trim(line) <> '' "
+            "AND (NOT json_valid(line) OR json_type(line::JSON) <> 'OBJECT') ORDER BY source, lineno").fetchall()]
+        self.con.execute("CREATE TABLE good AS SELECT source, lineno, line::JSON AS j FROM raw WHERE "
+                         "json_valid(line) AND json_type(line::JSON) = 'OBJECT'")
+        self.con.execute("DROP TABLE raw")
+        self.components = [r[0] for r in self.con.execute(
+            "SELECT DISTINCT unnest(json_keys(j->'rewards')) AS k FROM good ORDER BY k").fetchall()]
+        cols = [f"CAST(j->>{_lit(k)} AS {t}) AS {_q(k)}" for k, t in BASE_COLUMNS.items()]
+        for c in self.components:
+            base = f"j->'rewards'->{_lit(c)}"
+            cols.append(f"{{'raw': CAST({base}->>'raw' AS DOUBLE), 'weight': CAST({base}->>'weight' AS DOUBLE), "
+                        f"'weighted': CAST({base}->>'weighted' AS DOUBLE), 'error': {base}->>'error', "
+                        f"'info': {base}->'info'}} AS {_q(c)}")
+        self.con.execute(f"CREATE TABLE traces AS SELECT source, lineno, {', '.join(cols)} FROM good")
+        self.con.execute("DROP TABLE good")
+        self.rows = self.con.execute("SELECT count(*) FROM traces").fetchone()[0]
+        self.con.execute("SET enable_external_access=false")
+        self.con.execute("SET lock_configuration=true")
+
+    def close(self) -> None:
+        self.con.close()
+        self._tmp.cleanup()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------ filters
+    def _checked(self, expr: str, what: str) -> str:
+        import duckdb
+
+        if not expr.strip():
+            raise AuditError(f"empty --{what} expression")
+        sql = f"SELECT 1 FROM traces WHERE ({expr}) LIMIT 0" if what == "where" else \
+              f"SELECT 1 FROM traces ORDER BY {expr} LIMIT 0"
+        try:
+            if len(self.con.extract_statements(sql)) != 1:
+                raise AuditError(f"--{what} must be a single expression")
+            self.con.execute(sql)
+        except duckdb.Error as e:
+            first = str(e).splitlines()[0]
+            raise AuditError(f"bad --{what} expression {expr!r}: {first}. Fields: "
+                             f"{', '.join(BASE_COLUMNS)}; components (use .raw/.weight/.weighted/.error/.info): "
+                             f"{', '.join(self.components)}") from None
+        return expr
+
+    def select(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
+               columns: str = "*") -> list[dict]:
+        sql = f"SELECT {columns} FROM traces"
+        if where:
+            sql += f" WHERE ({self._checked(where, 'where')})"
+        sql += f" ORDER BY {self._checked(sort, 'sort')}" if sort else " ORDER BY source, lineno"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        cur = self.con.execute(sql)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def count(self, where: str | None = None) -> int:
+        sql = "SELECT count(*) FROM traces" + (f" WHERE ({self._checked(where, 'where')})" if where else "")
+        return self.con.execute(sql).fetchone()[0]
+
+    # ------------------------------------------------------------ summary
+    def step_bins(self, bins: int) -> list[tuple[int, int]]:
+        lo, hi = self.con.execute("SELECT min(step), max(step) FROM traces").fetchone()
+        if lo is None:
+            return []
+        width = max(1, math.ceil((hi - lo + 1) / max(1, bins)))
+        return [(s, min(hi, s + width - 1)) for s in range(lo, hi + 1, width)]
+
+    def summary(self, bins: int = 5, accuracy: str = "correctness") -> dict:
+        out: dict[str, Any] = {"records": self.rows, "malformed_lines": len(self.malformed),
+                               "components": self.components, "bins": []}
+        if not self.rows:
+            return out
+        maxima = {c: self.con.execute(f"SELECT max({_q(c)}.raw) FROM traces").fetchone()[0]
+                  for c in self.components}
+        for lo, hi in self.step_bins(bins):
+            where = f"step BETWEEN {lo} AND {hi}"
+            row: dict[str, Any] = {"steps": [lo, hi]}
+            row.update(dict(zip(["records", "mean_length", "truncated_share", "reward_mean"], self.con.execute(
+                f"SELECT count(*), avg(completion_tokens), avg(truncated::INT), avg(total) FROM traces "
+                f"WHERE {where}").fetchone())))
+            for c in self.components:
+                q, mx = _q(c), maxima[c]
+                mean, std, zero, at_max, errors, n = self.con.execute(
+                    f"SELECT avg({q}.raw), stddev_samp({q}.raw), avg(({q}.raw = 0)::INT), "
+                    f"avg(({q}.raw = {mx if mx is not None else 'NULL'})::INT), "
+                    f"count(*) FILTER (WHERE {q}.error IS NOT NULL), count({q}.raw) FROM traces WHERE {where}"
+                ).fetchone()
+                row[c] = {"mean": mean, "std": std, "share_zero": zero, "share_max": at_max, "errors": errors,
+                          "scored": n}
+            if accuracy in self.components:
+                row["accuracy"] = row[accuracy]["mean"]
+            if "format" in self.components:
+                row["format_rate"] = row["format"]["share_max"] if maxima["format"] == 1 else None
+            out["bins"].append(row)
+        if accuracy in self.components:
+            out["correlation_with_" + accuracy] = {c: self.con.execute(
+                f"SELECT corr({_q(c)}.raw, {_q(accuracy)}.raw) FROM traces").fetchone()[0]
+                for c in self.components if c != accuracy}
+        return out
+
+    # ------------------------------------------------------------ detectors
+    def detect(self, bins: int = 5, accuracy: str = "correctness", format_name: str = "format",
+               min_rise: float = 0.10, min_fall: float = 0.05, length_ratio: float = 2.0,
+               repetition_rise: float = 0.10, no_signal_share: float = 0.95, error_share: float = 0.0,
+               examples: int = 3) -> list[Finding]:
+        """Named checks for common reward hacking and broken rewards, first vs last step range."""
+        findings: list[Finding] = []
+        ranges = self.step_bins(bins)
+        if not ranges:
+            return findings
+        first, last = ranges[0], ranges[-1]
+
+        def mean(expr: str, r: tuple[int, int]) -> float | None:
+            return self.con.execute(f"SELECT avg({expr}) FROM traces WHERE step BETWEEN {r[0]} AND {r[1]}"
+                                    ).fetchone()[0]
+
+        def ex(where: str, sort: str = "step DESC") -> list[dict]:
+            return self.select(where, sort, examples, "step, prompt_id, completion, total, completion_tokens")
+
+        span = f"steps {first[0]}-{first[1]} vs {last[0]}-{last[1]}"
+        if {accuracy, format_name} <= set(self.components) and len(ranges) > 1:
+            f0, f1 = mean(f"{_q(format_name)}.raw", first), mean(f"{_q(format_name)}.raw", last)
+            a0, a1 = mean(f"{_q(accuracy)}.raw", first), mean(f"{_q(accuracy)}.raw", last)
+            if None not in (f0, f1, a0, a1):
+                fired = f1 - f0 >= min_rise and a1 - a0 <= -min_fall
+                findings.append(Finding(
+                    "format_up_correctness_down", fired,
+                    f"{format_name} {f0:.3f} -> {f1:.3f}, {accuracy} {a0:.3f} -> {a1:.3f} ({span})",
+                    f"{format_name} rise >= {min_rise} and {accuracy} fall >= {min_fall}",
+                    ex(f"step >= {last[0]} AND {_q(format_name)}.raw > 0 AND {_q(accuracy)}.raw = 0")
+                    if fired else []))
+        if len(ranges) > 1:
+            r0, r1 = mean("total", first), mean("total", last)
+            l0, l1 = mean("completion_tokens", first), mean("completion_tokens", last)
+            if None not in (r0, r1, l0, l1) and l0 > 0:
+                ratio = l1 / l0
+                rising = r1 - r0 >= min_rise
+                findings.append(Finding(
+                    "length_collapse", rising and ratio <= 1 / length_ratio,
+                    f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
+                    f"reward rise >= {min_rise} with length shrinking by {length_ratio}x",
+                    ex(f"step >= {last[0]}", "completion_tokens ASC") if rising and ratio <= 1 / length_ratio else []))
+                findings.append(Finding(
+                    "length_growth", rising and ratio >= length_ratio,
+                    f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
+                    f"reward rise >= {min_rise} with length growing by {length_ratio}x",
+                    ex(f"step >= {last[0]}", "completion_tokens DESC") if rising and ratio >= length_ratio else []))
+            rep0, rep1 = self._repetition(first), self._repetition(last)
+            findings.append(Finding(
+                "repetition_creep", rep1 - rep0 >= repetition_rise,
+                f"share of repeated word 3-grams {rep0:.3f} -> {rep1:.3f} ({span})",
+                f"rise >= {repetition_rise}", self._most_repetitive(last, examples)
+                if rep1 - rep0 >= repetition_rise else []))
+        for c in self.components:
+            q = _q(c)
+            groups, constant = self.con.execute(
+                f"SELECT count(*), count(*) FILTER (WHERE lo = hi) FROM (SELECT min({q}.raw) lo, max({q}.raw) hi "
+                f"FROM traces WHERE \"group\" IS NOT NULL AND {q}.raw IS NOT NULL "
+                f"GROUP BY run_id, step, \"group\" HAVING count(*) > 1)").fetchone()
+            if groups:
+                share = constant / groups
+                findings.append(Finding(
+                    f"no_signal:{c}", share >= no_signal_share,
+                    f"{c} is constant within {constant} of {groups} groups ({share:.1%})",
+                    f"constant in >= {no_signal_share:.0%} of groups (no advantage signal)"))
+            n_err, n_all = self.con.execute(
+                f"SELECT count(*) FILTER (WHERE {q}.error IS NOT NULL), count(*) FROM traces").fetchone()
+            if n_all:
+                errs = self.con.execute(
+                    f"SELECT {q}.error AS error, count(*) AS n FROM traces WHERE {q}.error IS NOT NULL "
+                    f"GROUP BY 1 ORDER BY n DESC LIMIT {examples}").fetchall()
+                findings.append(Finding(
+                    f"erroring:{c}", n_err / n_all > error_share,
+                    f"{c} failed on {n_err} of {n_all} completions",
+                    f"error share > {error_share}", [{"error": e, "count": n} for e, n in errs]))
+        return findings
+
+    def _sample_completions(self, r: tuple[int, int], n: int = 400) -> list[str]:
+        return [x[0] or "" for x in self.con.execute(
+            f"SELECT completion FROM traces WHERE step BETWEEN {r[0]} AND {r[1]} "
+            f"ORDER BY hash(source, lineno) LIMIT {n}").fetchall()]
+
+    def _repetition(self, r: tuple[int, int]) -> float:
+        from rewards import build_reward
+
+        texts = self._sample_completions(r)
+        if not texts:
+            return 0.0
+        rep = build_reward("repetition", {"n": 3, "max_penalty": -1.0})
+        return -sum(rep(texts, texts)) / len(texts)
+
+    def _most_repetitive(self, r: tuple[int, int], k: int) -> list[dict]:
+        from rewards import build_reward
+
+        texts = self._sample_completions(r)
+        rep = build_reward("repetition", {"n": 3, "max_penalty": -1.0})
+        scored = sorted(zip(rep(texts, texts), texts))[:k]
+        return [{"repeated_share": -s, "completion": t} for s, t in scored]
+
+
+def parse_selection(text: str) -> tuple[str, tuple[int, int] | None]:
+    """'RUN', 'RUN@12' or 'RUN@10-20' -> (path, step range or None)."""
+    m = re.fullmatch(r"(.+?)(?:@(\d+)(?:-(\d+))?)?", text)
+    path, a, b = m.group(1), m.group(2), m.group(3)
+    if a is None:
+        return path, None
+    return path, (int(a), int(b if b is not None else a))
+
+
+def compare(sel_a: str, sel_b: str, accuracy: str = "correctness", examples: int = 5) -> dict:
+    """Per prompt: correct (mean accuracy >= 0.5) in selection A vs B; which prompts flipped each way."""
+    per: list[dict[int, tuple[float, str]]] = []
+    for sel in (sel_a, sel_b):
+        path, steps = parse_selection(sel)
+        with TraceStore([path]) as store:
+            if accuracy not in store.components:
+                raise AuditError(f"{path}: no {accuracy!r} component in the traces; have {store.components}")
+            where = f"step BETWEEN {steps[0]} AND {steps[1]}" if steps else "TRUE"
+            rows = store.con.execute(
+                f"SELECT prompt_id, avg({_q(accuracy)}.raw), any_value(prompt) FROM traces WHERE {where} "
+                f"AND {_q(accuracy)}.raw IS NOT NULL GROUP BY prompt_id").fetchall()
+        per.append({pid: (acc, prompt) for pid, acc, prompt in rows})
+    common = sorted(set(per[0]) & set(per[1]))
+    to_wrong = [p for p in common if per[0][p][0] >= 0.5 > per[1][p][0]]
+    to_right = [p for p in common if per[0][p][0] < 0.5 <= per[1][p][0]]
+
+    def show(ids):
+        return [{"prompt_id": p, "a": per[0][p][0], "b": per[1][p][0], "prompt": per[0][p][1]}
+                for p in ids[:examples]]
+
+    return {"a": sel_a, "b": sel_b, "prompts_in_both": len(common),
+            "correct_a": sum(per[0][p][0] >= 0.5 for p in common),
+            "correct_b": sum(per[1][p][0] >= 0.5 for p in common),
+            "correct_to_wrong": len(to_wrong), "wrong_to_correct": len(to_right),
+            "examples_correct_to_wrong": show(to_wrong), "examples_wrong_to_correct": show(to_right)}
+
+
+def export(rows: list[dict], path: str | Path) -> None:
+    p = Path(path)
+    clean = [{k: (json.loads(json.dumps(v, default=str)) if isinstance(v, dict) else v) for k, v in r.items()}
+             for r in rows]
+    if p.suffix == ".jsonl":
+        p.write_text("".join(json.dumps(r, default=str, ensure_ascii=False) + "\n" for r in clean))
+    elif p.suffix == ".csv":
+        import csv
+
+        with open(p, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(clean[0]) if clean else ["step"])
+            w.writeheader()
+            for r in clean:
+                w.writerow({k: json.dumps(v, default=str) if isinstance(v, (dict, list)) else v
+                            for k, v in r.items()})
+    else:
+        raise AuditError(f"--export {p}: use a .jsonl or .csv file name")

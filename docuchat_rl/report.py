@@ -1,0 +1,155 @@
+"""Showing audit results: rich terminal layouts and a self-contained HTML report (plots inlined as PNG).
+
+Deliberately left out: interactive (JavaScript) charts; the page must open anywhere, offline, as one file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from typing import Any
+
+from .audit import Finding, TraceStore
+
+
+def _fmt(v: Any, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def print_summary(summary: dict, findings: list[Finding], malformed: list[dict], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    console.print(f"[bold]{summary['records']}[/] records, components: {', '.join(summary['components'])}")
+    for m in malformed[:10]:
+        console.print(f"[yellow]skipped malformed line {m['line']} of {m['source']}[/]: {m['text']!r}")
+    if len(malformed) > 10:
+        console.print(f"[yellow]... and {len(malformed) - 10} more malformed lines[/]")
+    over = Table(title="over time")
+    for col in ("steps", "records", "reward", "accuracy", "format rate", "mean length", "truncated"):
+        over.add_column(col, justify="right")
+    for b in summary["bins"]:
+        over.add_row(f"{b['steps'][0]}-{b['steps'][1]}", str(b["records"]), _fmt(b["reward_mean"]),
+                     _fmt(b.get("accuracy")), _fmt(b.get("format_rate")), _fmt(b["mean_length"], 1),
+                     _fmt(b["truncated_share"]))
+    console.print(over)
+    comp = Table(title="components per step range")
+    for col in ("component", "steps", "mean", "std", "zero", "max", "errors"):
+        comp.add_column(col, justify="right")
+    for c in summary["components"]:
+        for b in summary["bins"]:
+            s = b[c]
+            comp.add_row(c, f"{b['steps'][0]}-{b['steps'][1]}", _fmt(s["mean"]), _fmt(s["std"]),
+                         _fmt(s["share_zero"]), _fmt(s["share_max"]), str(s["errors"]))
+    console.print(comp)
+    corr = next((v for k, v in summary.items() if k.startswith("correlation_with_")), None)
+    if corr:
+        console.print("correlation with accuracy: " + ", ".join(f"{k} {_fmt(v)}" for k, v in corr.items()))
+    print_findings(findings, console)
+
+
+def print_findings(findings: list[Finding], console=None) -> None:
+    from rich.console import Console
+
+    console = console or Console()
+    for f in findings:
+        mark = "[bold red]FIRED[/]" if f.fired else "[green]ok[/]"
+        console.print(f"{mark} {f.check}: {f.detail} [dim](threshold: {f.threshold})[/]")
+        if f.fired:
+            for e in f.examples:
+                console.print("    " + json.dumps(e, default=str, ensure_ascii=False)[:300])
+
+
+def print_records(rows: list[dict], components: list[str], console=None) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.panel import Panel
+    from rich.table import Table
+
+    console = console or Console()
+    for r in rows:
+        t = Table(show_header=True, box=None)
+        for col in ("component", "raw", "weight", "weighted", "error", "info"):
+            t.add_column(col)
+        for c in components:
+            s = r.get(c) or {}
+            info = s.get("info")
+            t.add_row(escape(c), _fmt(s.get("raw")), _fmt(s.get("weight")), _fmt(s.get("weighted")),
+                      escape(s.get("error") or ""),
+                      escape(info if isinstance(info, str) else json.dumps(info, ensure_ascii=False)))
+        head = (f"step {r.get('step')}  prompt {r.get('prompt_id')}  group {r.get('group')}/{r.get('sample')}  "
+                f"total {_fmt(r.get('total'))}  advantage {_fmt(r.get('advantage'))}  "
+                f"tokens {r.get('completion_tokens')}{'  TRUNCATED' if r.get('truncated') else ''}")
+        body = (f"[bold]prompt[/]\n{escape(r.get('prompt') or '')}\n[bold]completion[/]\n"
+                f"{escape(r.get('completion') or '')}\n[bold]gold[/] {escape(str(r.get('gold')))}")
+        console.print(Panel.fit(body, title=head, title_align="left"))
+        console.print(t)
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def html_report(store: TraceStore, summary: dict, findings: list[Finding], title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_step = store.con.execute(
+        "SELECT step, avg(total), avg(completion_tokens), avg(truncated::INT) FROM traces GROUP BY step ORDER BY step"
+    ).fetchall()
+    steps = [r[0] for r in per_step]
+    figs = []
+    for c in store.components:
+        vals = store.con.execute(f'SELECT step, avg("{c}".raw) FROM traces GROUP BY step ORDER BY step').fetchall()
+        fig, ax = plt.subplots(figsize=(5, 2.6))
+        ax.plot([v[0] for v in vals], [v[1] for v in vals], lw=1.2)
+        ax.set_title(f"{c} (mean raw score)")
+        ax.set_xlabel("step")
+        figs.append((c, _png(fig)))
+        plt.close(fig)
+    for idx, label in ((1, "total reward"), (2, "completion tokens"), (3, "truncated share")):
+        fig, ax = plt.subplots(figsize=(5, 2.6))
+        ax.plot(steps, [r[idx] for r in per_step], lw=1.2, color="tab:orange")
+        ax.set_title(f"{label} (mean)")
+        ax.set_xlabel("step")
+        figs.append((label, _png(fig)))
+        plt.close(fig)
+    e = html.escape
+    rows = "".join(
+        f"<tr><td>{b['steps'][0]}-{b['steps'][1]}</td><td>{b['records']}</td><td>{_fmt(b['reward_mean'])}</td>"
+        f"<td>{_fmt(b.get('accuracy'))}</td><td>{_fmt(b.get('format_rate'))}</td><td>{_fmt(b['mean_length'], 1)}</td>"
+        f"<td>{_fmt(b['truncated_share'])}</td></tr>" for b in summary["bins"])
+    finds = []
+    for f in findings:
+        exs = "".join(f"<pre>{e(json.dumps(x, default=str, ensure_ascii=False, indent=1)[:1500])}</pre>"
+                      for x in f.examples) if f.fired else ""
+        finds.append(f"<div class='finding {'fired' if f.fired else 'ok'}'><b>{'FIRED' if f.fired else 'ok'}</b> "
+                     f"<code>{e(f.check)}</code>: {e(f.detail)} <span class='dim'>(threshold: {e(f.threshold)})"
+                     f"</span>{exs}</div>")
+    plots = "".join(f"<figure><img alt='{e(name)}' src='data:image/png;base64,{b64}'></figure>" for name, b64 in figs)
+    malformed = "".join(f"<li>{e(m['source'])}:{m['line']}: <code>{e(m['text'])}</code></li>"
+                        for m in store.malformed[:50])
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{e(title)}</title><style>
+body{{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} figure{{display:inline-block;margin:4px}}
+.finding{{margin:6px 0;padding:6px;border-left:4px solid #3a3}} .fired{{border-color:#c33;background:#fee}}
+.dim{{color:#777}} pre{{background:#f6f6f6;padding:6px;white-space:pre-wrap}}</style></head><body>
+<h1>{e(title)}</h1><p>{summary['records']} completions; components: {e(', '.join(summary['components']))};
+{len(store.malformed)} malformed lines skipped.</p>
+<h2>Detectors</h2>{''.join(finds) or '<p>no checks applied</p>'}
+<h2>Over time</h2><table><tr><th>steps</th><th>records</th><th>reward</th><th>accuracy</th><th>format rate</th>
+<th>mean length</th><th>truncated</th></tr>{rows}</table>
+<h2>Plots</h2>{plots}
+{f'<h2>Malformed lines</h2><ul>{malformed}</ul>' if malformed else ''}
+</body></html>"""

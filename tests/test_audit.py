@@ -1,0 +1,236 @@
+"""Audit on hand-written trace files with planted cases and on traces from a real short run."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from docuchat_rl.audit import AuditError, TraceStore, compare, export, parse_selection
+from docuchat_rl.cli import main
+
+
+def rec(step, pid, group, sample, correct, fmt, length=20, completion=None, total=None, error=None, **kw):
+    comps = {"correctness": {"raw": correct, "weight": 1.0, "weighted": correct, "info": {"gold": "4"},
+                             "error": None},
+             "format": {"raw": fmt, "weight": 0.2, "weighted": 0.2 * fmt, "info": {}, "error": None}}
+    if error is not None:
+        comps["flaky"] = {"raw": None, "weight": 1.0, "weighted": None, "info": {}, "error": error}
+    r = {"run_id": "r", "step": step, "prompt_id": pid, "group": group, "sample": sample, "used": True,
+         "prompt": f"q{pid}", "completion": completion or f"<think>{'x ' * length}</think><answer>4</answer>",
+         "gold": "4", "completion_tokens": length, "truncated": False, "rewards": comps,
+         "total": total if total is not None else correct + 0.2 * fmt, "total_missing": False, "advantage": 0.0}
+    r.update(kw)
+    return r
+
+
+def write(path, records, extra_lines=()):
+    lines = [json.dumps(r) for r in records] + list(extra_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def clean_run(steps=10):
+    """Correctness rises with steps; format varies within groups; nothing suspicious."""
+    out = []
+    for s in range(1, steps + 1):
+        for g in range(2):
+            for i in range(4):
+                correct = 1.0 if i < 1 + (s * 3) // steps else 0.0
+                out.append(rec(s, s * 10 + g, g, i, correct, float(i % 2), advantage=correct - 0.5))
+    return out
+
+
+def test_summary_figures(tmp_path):
+    p = write(tmp_path / "t.jsonl", clean_run())
+    with TraceStore([p]) as store:
+        s = store.summary(bins=2)
+    assert s["records"] == 80 and s["components"] == ["correctness", "format"]
+    first, last = s["bins"]
+    assert first["steps"] == [1, 5] and last["steps"] == [6, 10]
+    assert first["accuracy"] < last["accuracy"]
+    # hand count: steps 1-5, per group correct = 1 + 3s//10 -> 1,1,1,2,2 of 4 -> 7/20
+    assert first["accuracy"] == pytest.approx(7 / 20)
+    assert first["format"]["share_zero"] == pytest.approx(0.5) and first["format"]["errors"] == 0
+    assert first["mean_length"] == 20 and first["truncated_share"] == 0
+    assert "format" in s["correlation_with_correctness"]
+
+
+def test_malformed_lines_are_reported_with_line_numbers_and_skipped(tmp_path):
+    p = write(tmp_path / "t.jsonl", clean_run(2), extra_lines=['{"step": 3, "torn', "[1, 2]"])
+    with TraceStore([p]) as store:
+        assert store.rows == 16
+        assert [m["line"] for m in store.malformed] == [17, 18]
+
+
+@pytest.mark.parametrize("where,reference", [
+    # each SQL filter against the same predicate written in Python over the records
+    ("correctness.raw == 1 and format.raw == 0",
+     lambda r: r["rewards"]["correctness"]["raw"] == 1 and r["rewards"]["format"]["raw"] == 0),
+    ("advantage > 0", lambda r: r["advantage"] > 0),
+    ("step >= 9", lambda r: r["step"] >= 9),
+    ("\"group\" = 1 and sample = 0", lambda r: r["group"] == 1 and r["sample"] == 0),  # "group" is SQL
+    ("completion ilike '%answer>4%' and total > 1", lambda r: "answer>4" in r["completion"] and r["total"] > 1),
+])
+def test_filter_forms(tmp_path, where, reference):
+    records = clean_run()
+    p = write(tmp_path / "t.jsonl", records)
+    expected = sum(map(reference, records))
+    assert 0 < expected < len(records)
+    with TraceStore([p]) as store:
+        assert store.count(where) == expected
+        rows = store.select(where, sort="step desc, sample", limit=3)
+        assert len(rows) == 3 and rows[0]["step"] >= rows[-1]["step"]
+
+
+@pytest.mark.parametrize("where,message", [
+    ("nosuch > 1", "bad --where expression 'nosuch > 1'.*Fields: run_id"),
+    ("correctness.raw ==", "bad --where expression"),
+    ("1=1); drop table traces; select (1", "single expression"),
+    ("__import__('os').system('true')", "bad --where expression"),  # never Python
+    ("read_csv('/etc/passwd') is not null", "bad --where expression"),  # no file access
+])
+def test_bad_expressions_are_clear_errors(tmp_path, where, message):
+    p = write(tmp_path / "t.jsonl", clean_run(2))
+    with TraceStore([p]) as store:
+        with pytest.raises(AuditError, match=message):
+            store.select(where)
+        assert store.count() == 16  # nothing was dropped
+
+
+def fired(findings):
+    return {f.check for f in findings if f.fired}
+
+
+def test_detectors_quiet_on_a_clean_run(tmp_path):
+    p = write(tmp_path / "t.jsonl", clean_run())
+    with TraceStore([p]) as store:
+        assert fired(store.detect(bins=2)) == set()
+
+
+def test_detector_format_up_correctness_down(tmp_path):
+    recs = [rec(s, s, 0, i, 1.0 if (s <= 5 and i < 2) else 0.0, 0.0 if s <= 5 else 1.0)
+            for s in range(1, 11) for i in range(4)]
+    with TraceStore([write(tmp_path / "t.jsonl", recs)]) as store:
+        found = {f.check: f for f in store.detect(bins=2)}
+    assert found["format_up_correctness_down"].fired and found["format_up_correctness_down"].examples
+
+
+@pytest.mark.parametrize("lengths,check", [((40, 5), "length_collapse"), ((10, 60), "length_growth")])
+def test_detector_length(tmp_path, lengths, check):
+    recs = [rec(s, s, 0, i, 1.0 if s > 5 else 0.0, 1.0, length=lengths[0] if s <= 5 else lengths[1])
+            for s in range(1, 11) for i in range(2)]
+    with TraceStore([write(tmp_path / "t.jsonl", recs)]) as store:
+        assert check in fired(store.detect(bins=2))
+
+
+def test_detector_repetition_creep(tmp_path):
+    recs = [rec(s, s, 0, i, 1.0, 1.0, completion=("the answer is four " * 8) if s > 5 else
+                f"<think>{s} plus {i} makes a new number here</think>") for s in range(1, 11) for i in range(2)]
+    with TraceStore([write(tmp_path / "t.jsonl", recs)]) as store:
+        found = {f.check: f for f in store.detect(bins=2)}
+    assert found["repetition_creep"].fired and found["repetition_creep"].examples[0]["repeated_share"] > 0.5
+
+
+def test_detector_no_signal_and_erroring(tmp_path):
+    recs = [rec(s, s, 0, i, float(i % 2), 1.0, error="TimeoutError: exceeded" if i == 0 else None)
+            for s in range(1, 5) for i in range(4)]
+    with TraceStore([write(tmp_path / "t.jsonl", recs)]) as store:
+        found = {f.check: f for f in store.detect(bins=2)}
+    assert found["no_signal:format"].fired  # format is 1.0 everywhere: no advantage signal
+    assert not found["no_signal:correctness"].fired
+    assert found["erroring:flaky"].fired and found["erroring:flaky"].examples[0]["count"] == 4
+    assert not found["erroring:correctness"].fired
+
+
+def test_compare_two_step_ranges_and_two_runs(tmp_path):
+    a = [rec(1, p, 0, 0, 1.0 if p < 3 else 0.0, 1.0) for p in range(6)]
+    b = [rec(9, p, 0, 0, 1.0 if p in (0, 4, 5) else 0.0, 1.0) for p in range(6)]
+    write(tmp_path / "a.jsonl", a)
+    write(tmp_path / "b.jsonl", b)
+    result = compare(str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"))
+    assert (result["correct_to_wrong"], result["wrong_to_correct"]) == (2, 2)
+    assert {e["prompt_id"] for e in result["examples_correct_to_wrong"]} == {1, 2}
+    write(tmp_path / "both.jsonl", a + b)
+    same = compare(f"{tmp_path / 'both.jsonl'}@1", f"{tmp_path / 'both.jsonl'}@2-9")
+    assert same["correct_to_wrong"] == 2 and same["prompts_in_both"] == 6
+    assert parse_selection("runs/x@3-7") == ("runs/x", (3, 7)) and parse_selection("r@4") == ("r", (4, 4))
+
+
+def test_export_jsonl_and_csv(tmp_path):
+    p = write(tmp_path / "t.jsonl", clean_run(2))
+    with TraceStore([p]) as store:
+        rows = store.select("correctness.raw = 1")
+    export(rows, tmp_path / "sel.jsonl")
+    back = [json.loads(l) for l in (tmp_path / "sel.jsonl").read_text().splitlines()]
+    assert len(back) == len(rows) and back[0]["correctness"]["raw"] == 1.0
+    export(rows, tmp_path / "sel.csv")
+    import csv
+
+    with open(tmp_path / "sel.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == len(rows) and json.loads(table[0]["correctness"])["raw"] == 1.0
+    with pytest.raises(AuditError, match=".jsonl or .csv"):
+        export(rows, tmp_path / "sel.txt")
+
+
+def test_cli_summary_filter_and_html(tmp_path, capsys):
+    p = write(tmp_path / "t.jsonl", clean_run())
+    assert main(["audit", str(p), "--bins", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "80 records" in out and "format_up_correctness_down" in out
+    assert main(["audit", str(p), "--where", "correctness.raw == 1", "--limit", "2"]) == 0
+    assert "showing 2 of" in capsys.readouterr().out
+    assert main(["audit", str(p), "--where", "oops >"]) == 2
+    html = tmp_path / "r.html"
+    assert main(["audit", str(p), "--html", str(html)]) == 0
+    page = html.read_text()
+    assert page.count("data:image/png;base64,") == 5  # 2 components + reward, length, truncated
+    assert "format_up_correctness_down" in page and "<table>" in page and "http" not in page.split("<body>")[1]
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine (apt-get install chromium)")
+def test_html_report_renders_in_headless_chromium(tmp_path):
+    p = write(tmp_path / "t.jsonl", clean_run())
+    html = tmp_path / "r.html"
+    assert main(["audit", str(p), "--html", str(html)]) == 0
+    shot = tmp_path / "shot.png"
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", html.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "Detectors" in dom and dom.count("<img") == 5
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile2'}", f"--screenshot={shot}", "--window-size=1200,1600",
+                    html.as_uri()], capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000  # a real rendered page, not blank
+
+
+@pytest.mark.slow
+def test_audit_on_a_real_short_run(tmp_path, capsys):
+    from docuchat_rl.config import load_config
+    from docuchat_rl.trainer import Trainer
+
+    from .conftest import ROOT
+
+    cfg = load_config(ROOT / "config/default.yaml", [f"run.output_dir={tmp_path}", "run.steps=2",
+                                                       "rollout.prompts_per_step=2", "rollout.num_generations=4",
+                                                       "rollout.max_new_tokens=24", "logging.progress=false",
+                                                       "eval.before_and_after=false"])
+    t = Trainer(cfg)
+    t.train()
+    t.close()
+    with (tmp_path / "traces.jsonl").open("a") as f:
+        f.write('{"step": 3, "torn')  # a run killed mid-write
+    with TraceStore([tmp_path]) as store:
+        assert store.rows == 16 and store.malformed[0]["line"] == 17
+        assert store.count("correctness.raw is not null and format.weight = 0.2") == 16
+        s = store.summary(bins=2)
+        assert [b["steps"] for b in s["bins"]] == [[1, 1], [2, 2]]
+    assert main(["audit", str(tmp_path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["summary"]["records"] == 16 and data["malformed"][0]["line"] == 17
