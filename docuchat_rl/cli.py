@@ -169,9 +169,12 @@ def cmd_audit(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from rewards import RewardError
+
     from .audit import AuditError
     from .config import ConfigError
     from .data import DataError
+    from .trainer import TrainingError
 
     try:
         if args.command == "train":
@@ -181,6 +184,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return cmd_config(args)
         return cmd_audit(args)
-    except (ConfigError, DataError, AuditError) as e:
+    except (ConfigError, DataError, AuditError, TrainingError, RewardError, FileNotFoundError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
         return 2

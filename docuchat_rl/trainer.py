@@ -114,6 +114,13 @@ class Trainer:
 
         self.cfg = cfg
         self.out_dir = Path(cfg.run.output_dir)
+        resume_dir = resolve_resume(resume, self.out_dir) if resume else None  # fail before loading anything
+        if cfg.logging.wandb:
+            try:
+                import wandb  # noqa: F401  (fail before loading anything)
+            except ImportError:
+                raise TrainingError("logging.wandb is on but wandb is not installed: pip install "
+                                    "'docuchat-rl[wandb]'") from None
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         seed_everything(cfg.run.seed)
@@ -149,9 +156,7 @@ class Trainer:
                                       strict=cfg.rewards.strict, timeout_s=cfg.rewards.timeout_s)
         self.sampler = PromptSampler(len(self.examples), cfg.run.seed)
         self.step, self.run_id = 0, uuid.uuid4().hex[:12]
-        offsets: dict = {}
-        if resume:
-            offsets = self._load(resolve_resume(resume, self.out_dir))
+        offsets = self._load(resume_dir) if resume_dir else {}
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets.get("traces"))
         self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets.get("metrics"))
@@ -177,11 +182,8 @@ class Trainer:
     def _init_wandb(self):
         if not self.cfg.logging.wandb or not self.accelerator.is_main_process:
             return None
-        try:
-            import wandb
-        except ImportError:
-            raise TrainingError("logging.wandb is on but wandb is not installed: pip install "
-                                "'docuchat-rl[wandb]'") from None
+        import wandb
+
         return wandb.init(project=self.cfg.logging.wandb_project, mode=self.cfg.logging.wandb_mode,
                           dir=str(self.out_dir), config=self.cfg.to_dict(), id=self.run_id, resume="allow")
 

@@ -41,3 +41,13 @@ def test_eval_prints_json_and_writes_file(tmp_path, capsys):
     for key in ("accuracy", "pass@2", "format_rate", "correctness/mean", "completion_len/mean"):
         assert key in result
     assert result["rows"] == 16 and 0 <= result["mean@2"] <= result["pass@2"] <= 1  # pass@k >= mean@k
+
+
+def test_run_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("docuchat-rl: error: no checkpoint to resume at") and "\n" not in err
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["train", "--set", f"data.train={empty}", "--set", f"run.output_dir={tmp_path}"]) == 2
+    assert "data file is empty" in capsys.readouterr().err
