@@ -11,7 +11,7 @@ Deliberately left out: streaming data sets and multi-turn prompts (one user turn
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,7 @@ class Example:
     question: str
     answer: str  # the gold final answer used for scoring
     answer_text: str  # the full answer column
+    columns: dict = field(default_factory=dict)  # the row's other columns, passed on to the rewards
 
 
 def load_table(source: str, split: str, revision: str | None = None, subset: str | None = None):
@@ -122,5 +123,6 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
         if q is None or not str(q).strip():
             raise DataError(f"{source}: row {i} has an empty {prompt_column!r}")
         a = "" if a is None else str(a)
-        out.append(Example(prompt_id=i, question=str(q), answer=gsm8k_gold(a), answer_text=a))
+        extra = {k: v for k, v in row.items() if k not in (prompt_column, answer_column)}
+        out.append(Example(prompt_id=i, question=str(q), answer=gsm8k_gold(a), answer_text=a, columns=extra))
     return out

@@ -93,6 +93,23 @@ def print_records(rows: list[dict], components: list[str], console=None) -> None
         console.print(t)
 
 
+def _plot(plt, xs: list, ys: list, title: str, color: str) -> str:
+    """One small chart: the per-step means (thin) and their moving average (thick), as base64 PNG."""
+    fig, ax = plt.subplots(figsize=(5, 2.6))
+    ys = [float("nan") if y is None else y for y in ys]
+    ax.plot(xs, ys, lw=0.7, alpha=0.45, color=color)
+    w = max(1, len(ys) // 20)
+    if w > 1:
+        smooth = [sum(ys[max(0, i - w + 1):i + 1]) / len(ys[max(0, i - w + 1):i + 1]) for i in range(len(ys))]
+        ax.plot(xs, smooth, lw=1.8, color=color, label=f"moving average ({w} steps)")
+        ax.legend(fontsize=7, loc="best")
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    png = _png(fig)
+    plt.close(fig)
+    return png
+
+
 def _png(fig) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
@@ -112,19 +129,10 @@ def html_report(store: TraceStore, summary: dict, findings: list[Finding], title
     figs = []
     for c in store.components:
         vals = store.con.execute(f'SELECT step, avg("{c}".raw) FROM traces GROUP BY step ORDER BY step').fetchall()
-        fig, ax = plt.subplots(figsize=(5, 2.6))
-        ax.plot([v[0] for v in vals], [v[1] for v in vals], lw=1.2)
-        ax.set_title(f"{c} (mean raw score)")
-        ax.set_xlabel("step")
-        figs.append((c, _png(fig)))
-        plt.close(fig)
+        figs.append((c, _plot(plt, [v[0] for v in vals], [v[1] for v in vals], f"{c} (mean raw score)",
+                              "tab:blue")))
     for idx, label in ((1, "total reward"), (2, "completion tokens"), (3, "truncated share")):
-        fig, ax = plt.subplots(figsize=(5, 2.6))
-        ax.plot(steps, [r[idx] for r in per_step], lw=1.2, color="tab:orange")
-        ax.set_title(f"{label} (mean)")
-        ax.set_xlabel("step")
-        figs.append((label, _png(fig)))
-        plt.close(fig)
+        figs.append((label, _plot(plt, steps, [r[idx] for r in per_step], f"{label} (mean)", "tab:orange")))
     e = html.escape
     rows = "".join(
         f"<tr><td>{b['steps'][0]}-{b['steps'][1]}</td><td>{b['records']}</td><td>{_fmt(b['reward_mean'])}</td>"

@@ -205,10 +205,12 @@ class Trainer:
     def score(self, examples: list[Example], gen, texts: list[str], timer: Timer):
         g = self.cfg.rollout.num_generations
         rows = [e for e in examples for _ in range(g)]
+        columns = {k: [e.columns.get(k) for e in rows] for k in {k for e in examples for k in e.columns}}
+        # the data set's other columns, then ours (which win a name clash)
+        columns.update(answer=[e.answer for e in rows], completion_tokens=[len(c) for c in gen.completion_ids],
+                       truncated=gen.truncated, prompt_id=[e.prompt_id for e in rows])
         with timer("score"):
-            return self.reward([e.question for e in rows], texts, answer=[e.answer for e in rows],
-                               completion_tokens=[len(c) for c in gen.completion_ids],
-                               truncated=gen.truncated)
+            return self.reward([e.question for e in rows], texts, **columns)
 
     def collect(self, timer: Timer):
         """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""

@@ -106,7 +106,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=3000)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-from", type=int, default=200)
-    ap.add_argument("--band", type=float, nargs=2, default=(0.30, 0.50),
+    ap.add_argument("--band", type=float, nargs=2, default=(0.40, 0.50),
                     help="stop at the first validation accuracy inside this band")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()

@@ -6,7 +6,8 @@ import pytest
 
 from docuchat_rl.data import DataError, gsm8k_gold, load_examples, reasoning_target, render_prompt
 
-ROWS = [{"q": "What is 2 + 2?", "a": "2 + 2 = <<2+2=4>>4\n#### 4"}, {"q": "Capital of France?", "a": "Paris"}]
+ROWS = [{"q": "What is 2 + 2?", "a": "2 + 2 = <<2+2=4>>4\n#### 4", "level": 1},
+        {"q": "Capital of France?", "a": "Paris", "level": 3}]
 
 
 def write(tmp_path, fmt):
@@ -25,6 +26,7 @@ def test_loads_each_format_with_column_mapping(tmp_path, fmt):
     assert [(e.prompt_id, e.question, e.answer) for e in ex] == [(0, "What is 2 + 2?", "4"),
                                                                    (1, "Capital of France?", "Paris")]
     assert ex[0].answer_text == ROWS[0]["a"]
+    assert [e.columns for e in ex] == [{"level": 1}, {"level": 3}]  # other columns go to the rewards
 
 
 def test_limit(tmp_path):

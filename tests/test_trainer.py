@@ -195,3 +195,18 @@ def test_actor_critic_runs_traces_values_and_resumes_bit_identically(tmp_path, a
     for f in ("critic.safetensors", "adapter_model.safetensors"):
         a, b = load_file(full_dir / "checkpoint-3" / f), load_file(cut_dir / "checkpoint-3" / f)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
+
+
+@pytest.mark.slow
+def test_data_set_columns_reach_the_rewards(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Ava has {i} apples. How many apples does Ava have now?",
+                                        "answer": f"#### {i}", "level": i}) + "\n" for i in range(1, 5)))
+    cfg = cfg_for(tmp_path, f"data.train={data}", "run.steps=1",
+                  "rewards=[{name: correctness}, {name: 'tests.user_rewards:uses_level', weight: 0.0}]")
+    t = Trainer(cfg)
+    t.train()
+    t.close()
+    traces = read_jsonl(tmp_path / "traces.jsonl")
+    for r in traces:  # the reward saw each row's own level column
+        assert r["rewards"]["tests.user_rewards:uses_level"]["raw"] == float(r["prompt_id"] + 1)

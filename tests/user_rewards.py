@@ -26,3 +26,8 @@ def not_a_number(prompts, completions, **kwargs):
 def slow(prompts, completions, **kwargs):
     time.sleep(2.0)
     return [1.0] * len(completions)
+
+
+def uses_level(prompts, completions, level, **kwargs):
+    """Reads a data set column the trainer passes through (`level`)."""
+    return [float(x) for x in level]
