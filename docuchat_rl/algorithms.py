@@ -5,8 +5,8 @@ The trainer calls every algorithm the same way and never looks at its name:
     algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden_size)
     algo.advantages(batch)                      -> metrics; fills batch.advantages [R, T]
     algo.loss(policy_output, micro_batch, norm) -> (loss, metrics)
-    algo.critic                                 -> None, or a module trained and saved with the adapter
-    algo.rollout_values(model, batch)           -> (with a critic) fills batch.values [R, T]
+    algo.critic                                 -> None, or a module: hidden states [R, T, H] -> values [R, T],
+                                                   trained and saved with the adapter
     algo.trace_fields(batch)                    -> per-row values for the traces
 
 Deliberately left out: algorithms that need a separate reward model or a second policy copy in memory.
@@ -165,17 +165,6 @@ class ActorCritic(Algorithm):
     @property
     def entropy_grad(self) -> bool:
         return self.cfg.algorithm.ent_coef > 0
-
-    @torch.no_grad()
-    def rollout_values(self, model, batch: Batch) -> None:
-        from .batch import policy_forward
-
-        values = torch.zeros_like(batch.completion_mask)  # [R, T]
-        for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
-            mb = batch.select(rows)
-            out = policy_forward(model, mb, self.cfg.rollout.temperature, with_hidden=True)
-            values[rows, :out.hidden.shape[1]] = self.critic(out.hidden)
-        batch.values = values * batch.completion_mask
 
     def returns_and_advantages(self, batch: Batch, rewards, dones) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError

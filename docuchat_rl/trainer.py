@@ -253,27 +253,36 @@ class Trainer:
         batch = build_batch(prompt_ids, comp_ids, rewards, group, self.tokenizer.pad_token_id)
         return batch.to(self.accelerator.device), rows
 
-    def _forward_no_grad(self, batch: Batch, fill: str, disable_adapter: bool = False) -> None:
-        """Fill batch.<fill> [R, T] with log-probs from a no-grad pass, micro-batch by micro-batch."""
+    def _rollout_pass(self, batch: Batch, logps_into: str | None, values: bool,
+                      disable_adapter: bool = False) -> None:
+        """One no-grad pass over the batch, micro-batch by micro-batch, filling batch.<logps_into> [R, T]
+        with log-probs and, with a critic, batch.values [R, T] from the same forward's hidden states."""
         model = self.accelerator.unwrap_model(self.model)
-        out = torch.zeros_like(batch.completion_mask)
+        logps = torch.zeros_like(batch.completion_mask)  # [R, T]
+        vals = torch.zeros_like(batch.completion_mask)  # [R, T]
         ctx = model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         with torch.no_grad(), ctx:
             for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
                 mb = batch.select(rows)
-                logps = policy_forward(model, mb, self.cfg.rollout.temperature).logps  # [r, t]
-                out[rows, :logps.shape[1]] = logps
-        setattr(batch, fill, out)
+                out = policy_forward(model, mb, self.cfg.rollout.temperature, with_hidden=values)
+                logps[rows, :out.logps.shape[1]] = out.logps
+                if values:
+                    vals[rows, :out.logps.shape[1]] = self.algo.critic(out.hidden)
+        if logps_into:
+            setattr(batch, logps_into, logps)
+        if values:
+            batch.values = vals * batch.completion_mask
 
     def advantages(self, batch: Batch, timer: Timer) -> dict[str, float]:
         with timer("advantages"):
             n_minibatches = -(-batch.rows // self.cfg.minibatch_rows)
-            if self.cfg.algorithm.num_iterations > 1 or n_minibatches > 1 or self.algo.needs_rollout_logps:
-                self._forward_no_grad(batch, "old_logps")  # once per rollout, reused by every update
+            need_old = (self.cfg.algorithm.num_iterations > 1 or n_minibatches > 1
+                        or self.algo.needs_rollout_logps)
+            critic = self.algo.critic is not None
+            if need_old or critic:  # old log-probs and values share one forward
+                self._rollout_pass(batch, "old_logps" if need_old else None, values=critic)
             if self.cfg.algorithm.beta > 0:
-                self._forward_no_grad(batch, "ref_logps", disable_adapter=True)
-            if self.algo.critic is not None:
-                self.algo.rollout_values(self.accelerator.unwrap_model(self.model), batch)
+                self._rollout_pass(batch, "ref_logps", values=False, disable_adapter=True)
             return self.algo.advantages(batch)
 
     def update(self, batch: Batch, timer: Timer) -> dict[str, float]:
