@@ -152,7 +152,8 @@ def token_rewards(batch: Batch, beta: float, kl_in_reward: bool) -> tuple[torch.
 
 
 class ActorCritic(Algorithm):
-    """Shared parts of PPO and A2C: the value head, rollout-time values, token rewards, the loss terms."""
+    """Shared parts of PPO and A2C: the value head (the trainer fills batch.values from it at rollout
+    time), token rewards, returns and whitened advantages, and the critic's loss terms."""
 
     def __init__(self, cfg: Config, hidden_size: int | None = None):
         super().__init__(cfg, hidden_size)
@@ -184,11 +185,11 @@ class ActorCritic(Algorithm):
         """vf_coef * value loss - ent_coef * entropy, aggregated like the policy loss, and metrics."""
         a, mask = self.cfg.algorithm, mb.completion_mask
         values = self.critic(out.hidden)  # [r, T]
-        vloss = aggregate(value_loss(values, mb.values, mb.returns, clip), mask, a.loss_aggregation, norm)
-        total = a.vf_coef * vloss
+        per_token = value_loss(values, mb.values, mb.returns, clip)  # [r, T]
+        total = a.vf_coef * aggregate(per_token, mask, a.loss_aggregation, norm)
         if a.ent_coef > 0:
             total = total - a.ent_coef * aggregate(out.entropy, mask, a.loss_aggregation, norm)
-        return total, {"value_loss": float(vloss.detach()) * norm.rows / max(mb.rows, 1)}
+        return total, {"value_loss": float(masked_mean(per_token.detach(), mask))}
 
     def trace_fields(self, batch: Batch) -> dict[str, list]:
         fields = super().trace_fields(batch)
@@ -223,6 +224,10 @@ class A2C(ActorCritic):
         if cfg.algorithm.num_iterations != 1:
             return ("config key 'algorithm.num_iterations': a2c makes a single on-policy update per rollout "
                     f"(got {cfg.algorithm.num_iterations}); use ppo for several epochs")
+        if cfg.minibatch_rows != cfg.rollout.batch_rows:
+            return (f"config key 'optim.minibatch_size': a2c makes a single update per rollout, so the "
+                    f"minibatch is the whole batch ({cfg.rollout.batch_rows}), got {cfg.minibatch_rows}; "
+                    "use optim.micro_batch_size to bound memory")
         return None
 
     def returns_and_advantages(self, batch, rewards, dones):

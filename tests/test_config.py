@@ -57,6 +57,10 @@ BAD = [
     (["rewards.nosuch.weight=1"], "no entry 'nosuch'; entries are \\['correctness', 'format'\\]",
      "override of an unlisted reward"),
     (["optim.lr"], "expected section.key=value", "malformed override"),
+    (["algorithm.name=a2c", "algorithm.num_iterations=2"], "'algorithm.num_iterations': a2c makes a single",
+     "a2c with several updates"),
+    (["algorithm.name=a2c", "optim.minibatch_size=32"], "'optim.minibatch_size': a2c makes a single update",
+     "a2c with minibatches"),
 ]
 
 
