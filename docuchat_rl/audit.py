@@ -145,7 +145,12 @@ class TraceStore:
             sql += f" LIMIT {int(limit)}"
         cur = self.con.execute(sql)
         names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in cur.fetchall()]
+        rows = [dict(zip(names, row)) for row in cur.fetchall()]
+        for row in rows:  # DuckDB hands JSON back as text: give callers the info objects themselves
+            for c in self.components:
+                if isinstance(row.get(c), dict) and isinstance(row[c].get("info"), str):
+                    row[c]["info"] = json.loads(row[c]["info"])
+        return rows
 
     def count(self, where: str | None = None) -> int:
         sql = "SELECT count(*) FROM traces" + (f" WHERE ({self._checked(where, 'where')})" if where else "")
@@ -239,12 +244,12 @@ class TraceStore:
                     f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
                     f"reward rise >= {min_rise} with length growing by {length_ratio}x",
                     ex(f"step >= {last[0]}", "completion_tokens DESC") if rising and ratio >= length_ratio else []))
-            rep0, rep1 = self._repetition(first), self._repetition(last)
+            rep0, _ = self._repetition(first)
+            rep1, worst = self._repetition(last, examples)
             findings.append(Finding(
                 "repetition_creep", rep1 - rep0 >= repetition_rise,
                 f"share of repeated word 3-grams {rep0:.3f} -> {rep1:.3f} ({span})",
-                f"rise >= {repetition_rise}", self._most_repetitive(last, examples)
-                if rep1 - rep0 >= repetition_rise else []))
+                f"rise >= {repetition_rise}", worst if rep1 - rep0 >= repetition_rise else []))
         for c in self.components:
             q = _q(c)
             groups, constant = self.con.execute(
@@ -269,27 +274,19 @@ class TraceStore:
                     f"error share > {error_share}", [{"error": e, "count": n} for e, n in errs]))
         return findings
 
-    def _sample_completions(self, r: tuple[int, int], n: int = 400) -> list[str]:
-        return [x[0] or "" for x in self.con.execute(
+    def _repetition(self, r: tuple[int, int], k: int = 0) -> tuple[float, list[dict]]:
+        """Mean share of repeated word 3-grams over up to 400 sampled completions of the step range, and
+        the k most repetitive of them (scored once, with our own repetition reward)."""
+        from rewards import build_reward
+
+        texts = [x[0] or "" for x in self.con.execute(
             f"SELECT completion FROM traces WHERE step BETWEEN {r[0]} AND {r[1]} "
-            f"ORDER BY hash(source, lineno) LIMIT {n}").fetchall()]
-
-    def _repetition(self, r: tuple[int, int]) -> float:
-        from rewards import build_reward
-
-        texts = self._sample_completions(r)
+            f"ORDER BY hash(source, lineno) LIMIT 400").fetchall()]
         if not texts:
-            return 0.0
-        rep = build_reward("repetition", {"n": 3, "max_penalty": -1.0})
-        return -sum(rep(texts, texts)) / len(texts)
-
-    def _most_repetitive(self, r: tuple[int, int], k: int) -> list[dict]:
-        from rewards import build_reward
-
-        texts = self._sample_completions(r)
-        rep = build_reward("repetition", {"n": 3, "max_penalty": -1.0})
-        scored = sorted(zip(rep(texts, texts), texts))[:k]
-        return [{"repeated_share": -s, "completion": t} for s, t in scored]
+            return 0.0, []
+        scores = build_reward("repetition", {"n": 3, "max_penalty": -1.0})(texts, texts)
+        worst = sorted(zip(scores, texts))[:k]
+        return -sum(scores) / len(texts), [{"repeated_share": -s, "completion": t} for s, t in worst]
 
 
 def parse_selection(text: str) -> tuple[str, tuple[int, int] | None]:
@@ -303,17 +300,20 @@ def parse_selection(text: str) -> tuple[str, tuple[int, int] | None]:
 
 def compare(sel_a: str, sel_b: str, accuracy: str = "correctness", examples: int = 5) -> dict:
     """Per prompt: correct (mean accuracy >= 0.5) in selection A vs B; which prompts flipped each way."""
-    per: list[dict[int, tuple[float, str]]] = []
-    for sel in (sel_a, sel_b):
-        path, steps = parse_selection(sel)
+    sels = [parse_selection(sel) for sel in (sel_a, sel_b)]
+    per: list[dict[int, tuple[float, str]]] = [{}, {}]
+    for path in dict.fromkeys(p for p, _ in sels):  # a file named twice (two step ranges) is loaded once
         with TraceStore([path]) as store:
             if accuracy not in store.components:
                 raise AuditError(f"{path}: no {accuracy!r} component in the traces; have {store.components}")
-            where = f"step BETWEEN {steps[0]} AND {steps[1]}" if steps else "TRUE"
-            rows = store.con.execute(
-                f"SELECT prompt_id, avg({_q(accuracy)}.raw), any_value(prompt) FROM traces WHERE {where} "
-                f"AND {_q(accuracy)}.raw IS NOT NULL GROUP BY prompt_id").fetchall()
-        per.append({pid: (acc, prompt) for pid, acc, prompt in rows})
+            for i, (p, steps) in enumerate(sels):
+                if p != path:
+                    continue
+                where = f"step BETWEEN {steps[0]} AND {steps[1]}" if steps else "TRUE"
+                rows = store.con.execute(
+                    f"SELECT prompt_id, avg({_q(accuracy)}.raw), any_value(prompt) FROM traces WHERE {where} "
+                    f"AND {_q(accuracy)}.raw IS NOT NULL GROUP BY prompt_id").fetchall()
+                per[i] = {pid: (acc, prompt) for pid, acc, prompt in rows}
     common = sorted(set(per[0]) & set(per[1]))
     to_wrong = [p for p in common if per[0][p][0] >= 0.5 > per[1][p][0]]
     to_right = [p for p in common if per[0][p][0] < 0.5 <= per[1][p][0]]
@@ -331,17 +331,15 @@ def compare(sel_a: str, sel_b: str, accuracy: str = "correctness", examples: int
 
 def export(rows: list[dict], path: str | Path) -> None:
     p = Path(path)
-    clean = [{k: (json.loads(json.dumps(v, default=str)) if isinstance(v, dict) else v) for k, v in r.items()}
-             for r in rows]
     if p.suffix == ".jsonl":
-        p.write_text("".join(json.dumps(r, default=str, ensure_ascii=False) + "\n" for r in clean))
+        p.write_text("".join(json.dumps(r, default=str, ensure_ascii=False) + "\n" for r in rows))
     elif p.suffix == ".csv":
         import csv
 
         with open(p, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(clean[0]) if clean else ["step"])
+            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["step"])
             w.writeheader()
-            for r in clean:
+            for r in rows:
                 w.writerow({k: json.dumps(v, default=str) if isinstance(v, (dict, list)) else v
                             for k, v in r.items()})
     else:

@@ -51,28 +51,24 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _run_eval(model, tokenizer, cfg) -> dict:
-    from .evaluate import evaluate
-
-    return evaluate(model, tokenizer, cfg)
-
-
 def cmd_train(args) -> int:
     from .config import load_config
     from .trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, resume=args.resume)
-    model = trainer.accelerator.unwrap_model(trainer.model)
     report: dict = {}
     do_eval = cfg.eval.before_and_after and cfg.data.test
     if do_eval and trainer.step == 0:
-        report["before"] = _run_eval(model, trainer.tokenizer, cfg)
+        report["before"] = trainer.evaluate()
         print("eval before:", json.dumps(report["before"]), flush=True)
     trainer.train()
     trainer.close()
     if do_eval:
-        report["after"] = _run_eval(model, trainer.tokenizer, cfg)
+        last = trainer.last_eval
+        # the periodic eval of the final step is the same evaluation: reuse it
+        report["after"] = ({k: v for k, v in last.items() if k not in ("step", "minutes")}
+                           if last and last["step"] == trainer.step else trainer.evaluate())
         print("eval after: ", json.dumps(report["after"]), flush=True)
         path = Path(cfg.run.output_dir) / "eval.json"
         path.write_text(json.dumps(report, indent=2) + "\n")

@@ -162,6 +162,7 @@ class Trainer:
         self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets.get("metrics"))
         self.evals = JsonlWriter(self.out_dir / "eval.jsonl", offsets.get("evals"))
         self._eval_examples: list[Example] | None = None
+        self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
         self.wandb = self._init_wandb()
 
     # ---------------------------------------------------------------- set-up checks
@@ -400,19 +401,19 @@ class Trainer:
         self.sampler = PromptSampler(len(self.examples), self.cfg.run.seed, **state["sampler"])
         return state["offsets"]
 
-    def evaluate(self, step: int, started: float) -> dict:
-        """Held-out evaluation (greedy: it draws no random numbers, so the run is unchanged by it)."""
-        from .evaluate import evaluate
-
+    def held_out(self) -> list[Example]:
+        """The held-out rows (eval.limit of them), read once per run."""
         if self._eval_examples is None:
             d = self.cfg.data
             self._eval_examples = load_examples(d.test, d.test_split, d.prompt_column, d.answer_column,
                                                 limit=self.cfg.eval.limit, revision=d.revision, subset=d.subset)
-        model = self.accelerator.unwrap_model(self.model)
-        result = {"step": step, "minutes": round((time.perf_counter() - started) / 60, 3),
-                  **evaluate(model, self.tokenizer, self.cfg, self._eval_examples)}
-        self.evals.write([result])
-        return result
+        return self._eval_examples
+
+    def evaluate(self) -> dict:
+        """Held-out evaluation (greedy: it draws no random numbers, so the run is unchanged by it)."""
+        from .evaluate import evaluate
+
+        return evaluate(self.accelerator.unwrap_model(self.model), self.tokenizer, self.cfg, self.held_out())
 
     # ---------------------------------------------------------------- the loop
     def train(self, stop_after: int | None = None) -> list[dict]:
@@ -433,12 +434,15 @@ class Trainer:
                                     f"{cfg.rollout.max_resample_rounds + 1} rounds")
             adv_metrics = self.advantages(batch, timer)
             upd_metrics = self.update(batch, timer)
-            m = self.log(step, rows, batch, {**adv_metrics, **upd_metrics}, timer, parts)
+            extra = {**adv_metrics, **upd_metrics}
+            if cfg.eval.every and cfg.data.test and step % cfg.eval.every == 0:
+                self.last_eval = {"step": step, "minutes": round((time.perf_counter() - started) / 60, 3),
+                                  **self.evaluate()}
+                self.evals.write([self.last_eval])
+                extra["eval/accuracy"] = self.last_eval.get("accuracy")
+            m = self.log(step, rows, batch, extra, timer, parts)
             history.append(m)
             self.step = step
-            if cfg.eval.every and cfg.data.test and step % cfg.eval.every == 0:
-                ev = self.evaluate(step, started)
-                m["eval/accuracy"] = ev.get("accuracy")
             if step % cfg.checkpoint.every == 0 or step == cfg.run.steps:
                 self.checkpoint(step)
             if bar is not None:

@@ -164,6 +164,7 @@ def test_export_jsonl_and_csv(tmp_path):
     export(rows, tmp_path / "sel.jsonl")
     back = [json.loads(l) for l in (tmp_path / "sel.jsonl").read_text().splitlines()]
     assert len(back) == len(rows) and back[0]["correctness"]["raw"] == 1.0
+    assert back[0]["correctness"]["info"] == {"gold": "4"}  # an object, not JSON text inside JSON
     export(rows, tmp_path / "sel.csv")
     import csv
 

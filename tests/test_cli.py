@@ -51,3 +51,17 @@ def test_run_errors_are_one_line_and_exit_2(tmp_path, capsys):
     empty.write_text("")
     assert main(["train", "--set", f"data.train={empty}", "--set", f"run.output_dir={tmp_path}"]) == 2
     assert "data file is empty" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_reports_before_and_after_and_reuses_the_final_periodic_eval(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(ROOT / "config/default.yaml"), "--set", f"run.output_dir={out}",
+                 "--set", "run.steps=2", "--set", "rollout.prompts_per_step=2", "--set", "rollout.num_generations=2",
+                 "--set", "rollout.max_new_tokens=16", "--set", "eval.limit=8", "--set", "eval.every=2",
+                 "--set", "logging.progress=false"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    final = json.loads((out / "eval.jsonl").read_text().splitlines()[-1])
+    assert report["before"]["rows"] == report["after"]["rows"] == 8
+    assert {k: v for k, v in final.items() if k not in ("step", "minutes")} == report["after"]
+    assert "eval before:" in capsys.readouterr().out

@@ -37,7 +37,7 @@ def untimed(records):
 @pytest.mark.slow
 def test_two_steps_write_adapter_metrics_and_traces(tmp_path):
     cfg = cfg_for(tmp_path, "run.steps=2", "checkpoint.every=1", "checkpoint.keep_last=1",
-                  "algorithm.beta=0.05")
+                  "algorithm.beta=0.05", "eval.every=2", "eval.limit=8")
     t = Trainer(cfg)
     history = t.train()
     t.close()
@@ -62,6 +62,9 @@ def test_two_steps_write_adapter_metrics_and_traces(tmp_path):
                 "time/advantages", "time/update", "rollout_tokens_per_s"):
         assert key in metrics[0], key
     assert metrics[0]["kl"] is not None and metrics[0]["kl"] >= 0  # beta > 0: reference forward ran
+    evals = read_jsonl(tmp_path / "eval.jsonl")  # eval.every=2: one periodic evaluation, in the metrics too
+    assert [e["step"] for e in evals] == [2] and evals[0]["rows"] == 8
+    assert "eval/accuracy" not in metrics[0] and metrics[1]["eval/accuracy"] == evals[0]["accuracy"]
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
