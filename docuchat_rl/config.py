@@ -94,6 +94,10 @@ class RolloutConfig(Section):
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill."""
     max_resample_rounds: int = Field(4, ge=1)
     """Most extra sampling rounds per step when dynamic sampling cannot fill the batch."""
+    engine: Literal["fast", "hf"] = "fast"
+    """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate."""
+    merge_adapter: bool = True
+    """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged."""
 
     @property
     def batch_rows(self) -> int:
@@ -199,6 +203,8 @@ class OptimConfig(Section):
     """Completions per optimizer step; null = the whole rollout batch (one step per iteration)."""
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward; gradients accumulate up to minibatch_size."""
+    share_prompt: bool = True
+    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients)."""
 
 
 class CheckpointConfig(Section):

@@ -10,6 +10,7 @@ Deliberately left out: majority voting (maj@k) and per-difficulty breakdowns.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from rewards import CompositeReward
 from .config import Config
 from .data import Example, load_examples, render_prompt
 from .generation import generate
+from .modeling import merged_adapter
 
 
 def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None) -> dict:
@@ -40,7 +42,14 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    gen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False, batch_size=e.batch_size)
+    engine = cfg.rollout.engine
+
+    def merged():  # a fresh context each time: one sampling pass per `with`
+        return merged_adapter(model) if cfg.rollout.merge_adapter else contextlib.nullcontext()
+
+    with merged():
+        gen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False,
+                       batch_size=e.batch_size, engine=engine)
     texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
     res = reward([x.question for x in examples], texts, answer=[x.answer for x in examples],
                  completion_tokens=[len(c) for c in gen.completion_ids], truncated=gen.truncated)
@@ -54,11 +63,11 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     out["completion_len/mean"] = float(np.mean([len(c) for c in gen.completion_ids]))
     out["truncated_frac"] = float(np.mean(gen.truncated))
     if e.pass_k and acc_name in reward.names:
-        with torch.random.fork_rng():  # eval must not shift the training run's random stream
+        with torch.random.fork_rng(), merged():  # eval must not shift the training run's random stream
             torch.manual_seed(cfg.run.seed)
             sgen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True,
                             temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            batch_size=e.batch_size, num_return_sequences=e.pass_k)
+                            batch_size=e.batch_size, num_return_sequences=e.pass_k, engine=engine)
         stexts = tokenizer.batch_decode(sgen.completion_ids, skip_special_tokens=True)
         k = e.pass_k
         sres = reward([x.question for x in examples for _ in range(k)], stexts,

@@ -11,8 +11,8 @@ steps, so a run stopped anywhere inside a step (inside a mu-cycle included) resu
 step from the same state, and output files are truncated back to the checkpoint's offsets first.
 
 Deliberately left out: multi-process data sharding (accelerate launches work, but each process
-samples the full batch; traces are written by the main process only), and generation engines other
-than `transformers.generate`.
+samples the full batch; traces are written by the main process only), and serving engines (vLLM,
+SGLang) for the rollout.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from .config import Config
 from .data import DataError, Example, load_examples, render_prompt
 from .generation import generate
 from .losses import Norm
-from .modeling import load_model_and_tokenizer
+from .modeling import load_model_and_tokenizer, merged_adapter
 from .outputs import JsonlWriter
 
 
@@ -195,11 +195,12 @@ class Trainer:
         r = self.cfg.rollout
         unwrapped = self.accelerator.unwrap_model(self.model)
         unwrapped.eval()
-        with timer("rollout"):
+        merged = merged_adapter(unwrapped) if r.merge_adapter else contextlib.nullcontext()
+        with timer("rollout"), merged:
             gen = generate(unwrapped, self.tokenizer, [self.prompt_texts[i] for i in idx],
                            max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,
                            top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
-                           num_return_sequences=r.num_generations)
+                           num_return_sequences=r.num_generations, engine=r.engine)
         texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         return examples, gen, texts
 
@@ -265,7 +266,8 @@ class Trainer:
         with torch.no_grad(), ctx:
             for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
                 mb = batch.select(rows)
-                out = policy_forward(model, mb, self.cfg.rollout.temperature, with_hidden=values)
+                out = policy_forward(model, mb, self.cfg.rollout.temperature, with_hidden=values,
+                                     share_prompt=self.cfg.optim.share_prompt)
                 logps[rows, :out.logps.shape[1]] = out.logps
                 if values:
                     vals[rows, :out.logps.shape[1]] = self.algo.critic(out.hidden)
@@ -303,7 +305,8 @@ class Trainer:
                         mb = batch.select(rows)
                         out = policy_forward(self.model, mb, cfg.rollout.temperature, with_entropy=True,
                                              with_hidden=self.algo.critic is not None,
-                                             entropy_grad=self.algo.entropy_grad)
+                                             entropy_grad=self.algo.entropy_grad,
+                                             share_prompt=cfg.optim.share_prompt)
                         loss, m = self.algo.loss(out, mb, norm)
                         self.accelerator.backward(loss)
                         total += float(loss.detach())
