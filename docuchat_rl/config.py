@@ -82,6 +82,8 @@ class RolloutConfig(Section):
     """Completions (G) sampled per prompt: the group size."""
     max_new_tokens: int = Field(64, ge=1)
     """Longest completion in tokens; longer ones are cut and flagged truncated."""
+    min_new_tokens: int = Field(0, ge=0)
+    """No EOS before this many tokens (0 = off; = max_new_tokens gives fixed lengths, for benchmarks)."""
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
@@ -142,6 +144,8 @@ class AlgorithmConfig(Section):
     """PPO/A2C: subtract beta * (log pi_old - log pi_ref) from each token's reward instead of a KL loss."""
     critic_gain: float = Field(0.01, gt=0)
     """PPO/A2C: orthogonal-init gain of the value head (small, so initial values are near 0)."""
+    critic_backbone: Literal["shared", "separate"] = "shared"
+    """PPO/A2C: the value head reads the policy adapter's hidden states (shared) or its own LoRA adapter's (separate)."""
 
 
 class RewardSpec(Section):
@@ -277,6 +281,9 @@ class Config(Section):
         if self.minibatch_rows % min(self.optim.micro_batch_size, self.minibatch_rows):
             raise ValueError(f"optim.micro_batch_size: {self.optim.micro_batch_size} must divide "
                              f"the minibatch ({self.minibatch_rows} completions)")
+        if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
+            raise ValueError(f"rollout.min_new_tokens: {self.rollout.min_new_tokens} is more than "
+                             f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         return self
 
     def to_dict(self) -> dict:

@@ -92,8 +92,8 @@ def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):
     return prefill_cache
 
 
-def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, do_sample, temperature,
-                top_p, top_k, stop, pad) -> torch.Tensor:
+def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
+                temperature, top_p, top_k, stop, pad) -> torch.Tensor:
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts."""
     from .batch import position_ids
 
@@ -110,6 +110,8 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, do
     done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # [R]
     tokens = []
     for t in range(max_new_tokens):
+        if t < min_new_tokens:  # no EOS yet, as transformers' MinNewTokensLengthLogitsProcessor
+            logits = logits.index_fill(-1, stop_t, float("-inf"))
         nxt = sample(logits, do_sample, temperature, top_k, top_p).masked_fill(done, pad)  # [R]
         tokens.append(nxt)
         done |= torch.isin(nxt, stop_t)
@@ -124,8 +126,9 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, do
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
-             num_return_sequences: int = 1, engine: str = "fast") -> Generation:
-    """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major."""
+             num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0) -> Generation:
+    """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
+    `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks)."""
     if engine not in ("fast", "hf"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf")
     stop = eos_ids(model, tokenizer)
@@ -139,11 +142,14 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
                         add_special_tokens=False).to(device)
         if engine == "fast":
             new = _fast_chunk(model, enc["input_ids"], enc["attention_mask"], repeats=num_return_sequences,
-                              max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                              max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                              do_sample=do_sample, temperature=temperature,
                               top_p=top_p, top_k=top_k, stop=stop, pad=pad).tolist()
         else:
             kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
                           eos_token_id=stop, num_return_sequences=num_return_sequences)
+            if min_new_tokens:
+                kwargs.update(min_new_tokens=min_new_tokens)
             if do_sample:
                 kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
             else:  # silence sampling defaults a model's generation_config may carry

@@ -87,12 +87,36 @@ class Timer:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
 
 
-def build_lora(model, cfg: Config):
-    from peft import LoraConfig, get_peft_model
+CRITIC_ADAPTER = "critic"  # the separate critic's LoRA adapter (algorithm.critic_backbone: separate)
+
+
+def lora_config(cfg: Config):
+    from peft import LoraConfig
 
     lc = cfg.lora
-    return get_peft_model(model, LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout,
-                                            target_modules=lc.target_modules, task_type="CAUSAL_LM"))
+    return LoraConfig(r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=lc.target_modules,
+                      task_type="CAUSAL_LM")
+
+
+def build_lora(model, cfg: Config):
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(cfg))
+
+
+@contextlib.contextmanager
+def active_adapter(model, name: str, trainable: list[torch.nn.Parameter]):
+    """Run the block with adapter `name` active, then the policy's ("default") again. peft's set_adapter
+    also freezes the inactive adapters; every trainable parameter is made trainable again each time."""
+    model.set_adapter(name)
+    for p in trainable:
+        p.requires_grad_(True)
+    try:
+        yield
+    finally:
+        model.set_adapter("default")
+        for p in trainable:
+            p.requires_grad_(True)
 
 
 def build_optimizer(params, cfg: Config, total_updates: int):
@@ -131,8 +155,14 @@ class Trainer:
         self.context_len = getattr(model.config, "max_position_embeddings", None)
         self.model = build_lora(model, cfg)
         self.algo = get_algorithm_class(cfg.algorithm.name)(cfg, model.config.hidden_size)
+        self.separate_critic = self.algo.critic is not None and cfg.algorithm.critic_backbone == "separate"
         if self.algo.critic is not None:
             self.algo.critic.to(self.accelerator.device)
+        if self.separate_critic:
+            self.model.add_adapter(CRITIC_ADAPTER, lora_config(cfg))
+            for name, p in self.model.named_parameters():
+                if f".{CRITIC_ADAPTER}." in name:
+                    p.requires_grad_(True)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.algo.critic is not None:
             params += list(self.algo.critic.parameters())
@@ -200,7 +230,8 @@ class Trainer:
             gen = generate(unwrapped, self.tokenizer, [self.prompt_texts[i] for i in idx],
                            max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,
                            top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
-                           num_return_sequences=r.num_generations, engine=r.engine)
+                           num_return_sequences=r.num_generations, engine=r.engine,
+                           min_new_tokens=r.min_new_tokens)
         texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         return examples, gen, texts
 
@@ -255,6 +286,17 @@ class Trainer:
         batch = build_batch(prompt_ids, comp_ids, rewards, group, self.tokenizer.pad_token_id)
         return batch.to(self.accelerator.device), rows
 
+    def forward(self, model, mb: Batch, **kw):
+        """policy_forward, plus the hidden states the critic reads: the same forward's (shared backbone)
+        or a second forward through the critic's own adapter (separate backbone)."""
+        critic = self.algo.critic is not None
+        kw.update(temperature=self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt)
+        out = policy_forward(model, mb, with_hidden=critic and not self.separate_critic, **kw)
+        if critic and self.separate_critic:
+            with active_adapter(self.accelerator.unwrap_model(model), CRITIC_ADAPTER, self.params):
+                out.hidden = policy_forward(model, mb, with_hidden=True, **kw).hidden  # [r, T, H]
+        return out
+
     def _rollout_pass(self, batch: Batch, logps_into: str | None, values: bool,
                       disable_adapter: bool = False) -> None:
         """One no-grad pass over the batch, micro-batch by micro-batch, filling batch.<logps_into> [R, T]
@@ -266,8 +308,8 @@ class Trainer:
         with torch.no_grad(), ctx:
             for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
                 mb = batch.select(rows)
-                out = policy_forward(model, mb, self.cfg.rollout.temperature, with_hidden=values,
-                                     share_prompt=self.cfg.optim.share_prompt)
+                out = self.forward(model, mb) if values else policy_forward(
+                    model, mb, self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt)
                 logps[rows, :out.logps.shape[1]] = out.logps
                 if values:
                     vals[rows, :out.logps.shape[1]] = self.algo.critic(out.hidden)
@@ -303,10 +345,8 @@ class Trainer:
                     total = 0.0
                     for rows in mb_rows.split(cfg.optim.micro_batch_size):
                         mb = batch.select(rows)
-                        out = policy_forward(self.model, mb, cfg.rollout.temperature, with_entropy=True,
-                                             with_hidden=self.algo.critic is not None,
-                                             entropy_grad=self.algo.entropy_grad,
-                                             share_prompt=cfg.optim.share_prompt)
+                        out = self.forward(self.model, mb, with_entropy=True,
+                                           entropy_grad=self.algo.entropy_grad)
                         loss, m = self.algo.loss(out, mb, norm)
                         self.accelerator.backward(loss)
                         total += float(loss.detach())
@@ -343,7 +383,8 @@ class Trainer:
                 record[k] = values[used_i] if row["used"] else None
             used_i += row["used"]
             records.append(record)
-        self.traces.write(records)
+        with timer("log"):  # the trace records' writing (the metrics record carries these timings)
+            self.traces.write(records)
 
         totals = np.array([r["reward"].total for r in rows])
         lengths = np.array([len(r["ids"]) for r in rows])
@@ -397,6 +438,10 @@ class Trainer:
         state = json.loads((folder / "trainer_state.json").read_text())
         adapter = load_file(str(folder / "adapter_model.safetensors"))
         set_peft_model_state_dict(self.accelerator.unwrap_model(self.model), adapter)
+        if self.separate_critic:  # peft saves a second adapter in a folder named after it
+            critic = load_file(str(folder / CRITIC_ADAPTER / "adapter_model.safetensors"))
+            set_peft_model_state_dict(self.accelerator.unwrap_model(self.model), critic,
+                                      adapter_name=CRITIC_ADAPTER)
         if self.algo.critic is not None:
             self.algo.critic.load_state_dict(load_file(str(folder / "critic.safetensors")))
         self.accelerator.load_state(str(folder))
@@ -431,7 +476,8 @@ class Trainer:
         for step in range(self.step + 1, cfg.run.steps + 1):
             timer = Timer()
             parts, _ = self.collect(timer)
-            batch, rows = self.prepare(parts, timer)
+            with timer("prepare"):
+                batch, rows = self.prepare(parts, timer)
             if batch.rows == 0:
                 raise TrainingError("dynamic sampling found no group with varied rewards in "
                                     f"{cfg.rollout.max_resample_rounds + 1} rounds")

@@ -1,9 +1,18 @@
-"""Seconds per training step, split by phase, and rollout tokens/s for a config (default: the embedded one).
+"""Seconds per GRPO step, ours against `trl.GRPOTrainer`, at the same settings on the same machine.
 
-    python scripts/benchmark.py [--config config/default.yaml] [--steps 10] [--set key=value ...]
+    python scripts/benchmark.py                      # 8 prompts x 8 completions, 48 new tokens, 30 steps
+    python scripts/benchmark.py --only ours --set optim.share_prompt=false
+    python scripts/benchmark.py --sweep              # group size {4, 8, 16} x max new tokens {32, 64, 128}
+    python scripts/benchmark.py --json
 
-Runs the real trainer for `--steps` steps in a temporary folder and prints the median over the steps
-after the first (the first pays one-off costs), per phase, plus peak RSS.
+Each side runs in its own process, one after the other (so each peak RSS is its own): (a) our trainer,
+(b) TRL's GRPOTrainer with `use_cpu=True, bf16=False`, gradient checkpointing off, `report_to="none"`.
+Both get the embedded default model, LoRA r16/alpha 32 on all linear layers, the same prompts in the same
+order (TRL's shuffling off, fed our sampler's order), the same group size, max new tokens, temperature,
+learning rate (constant), beta 0, mu 1, the "grpo" loss aggregation, and the correctness reward only
+(ours from `rewards/`, TRL's the same function in TRL's reward signature). Printed per side: seconds per
+step (median over the steps after the first), our seconds per phase, rollout tokens/s, peak RSS, mean
+reward over the last 10 steps; then ours/TRL. TRL's rollout time is measured around its `generate` call.
 """
 
 from __future__ import annotations
@@ -12,43 +21,220 @@ import argparse
 import json
 import resource
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="config/default.yaml")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    a = ap.parse_args()
+def settings_args(a) -> list[str]:
+    return ["--prompts", str(a.prompts), "--generations", str(a.generations), "--max-new", str(a.max_new),
+            "--steps", str(a.steps), "--lr", str(a.lr), "--temperature", str(a.temperature),
+            "--threads", str(a.threads), *[x for s in a.overrides for x in ("--set", s)]]
 
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def prompt_order(n_rows: int, a) -> list[int]:
+    """The row order our trainer samples in (seed 0), so TRL can be fed the same prompts step by step."""
+    from docuchat_rl.trainer import PromptSampler
+
+    sampler = PromptSampler(n_rows, seed=0)
+    return [i for _ in range(a.steps) for i in sampler.take(a.prompts)]
+
+
+def run_ours(a) -> dict:
     from docuchat_rl.config import load_config
     from docuchat_rl.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(a.config, [f"run.output_dir={out}", f"run.steps={a.steps}", "logging.progress=false",
-                                     f"checkpoint.every={a.steps + 1}", "eval.before_and_after=false",
-                                     *a.overrides])
+        cfg = load_config(ROOT / "config/default.yaml", [
+            f"run.output_dir={out}", f"run.steps={a.steps}", f"run.threads={a.threads}", "run.seed=0",
+            f"rollout.prompts_per_step={a.prompts}", f"rollout.num_generations={a.generations}",
+            f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}",
+            "algorithm.beta=0", "algorithm.num_iterations=1", "algorithm.loss_aggregation=grpo",
+            f"optim.lr={a.lr}", "optim.schedule=constant", "optim.warmup_steps=0",
+            "rewards.components=[{name: correctness, weight: 1.0}]", "logging.progress=false",
+            f"checkpoint.every={a.steps + 1}", "eval.before_and_after=false", *a.overrides])
         trainer = Trainer(cfg)
         history = trainer.train()
         trainer.close()
     rest = history[1:] or history
     phases = sorted({k for m in rest for k in m if k.startswith("time/")})
-    result = {
-        "config": a.config, "steps": a.steps, "rows_per_step": cfg.rollout.batch_rows,
-        "max_new_tokens": cfg.rollout.max_new_tokens,
+    return {
         "seconds_per_step": statistics.median(sum(m[p] for p in phases) for m in rest),
-        **{p.replace("time/", "seconds/"): statistics.median(m[p] for m in rest) for p in phases},
+        "phases": {p.removeprefix("time/"): statistics.median(m[p] for m in rest) for p in phases},
         "rollout_tokens_per_s": statistics.median(m["rollout_tokens_per_s"] for m in rest),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "mean_reward_last_5": statistics.mean(m["reward/mean"] for m in history[-5:]),
+        "peak_rss_mb": peak_rss_mb(),
+        "mean_reward_last_10": statistics.mean(m["reward/mean"] for m in history[-10:]),
     }
-    if a.json:
-        print(json.dumps(result))
+
+
+def run_trl(a) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from docuchat_rl.config import load_config
+    from docuchat_rl.data import load_examples, render_prompt
+    from docuchat_rl.modeling import load_model_and_tokenizer
+    from rewards import build_reward
+
+    torch.set_num_threads(a.threads)
+    cfg = load_config(ROOT / "config/default.yaml")
+    model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), "float32", "cpu")
+    rows = load_examples(str(ROOT / cfg.data.train), "train", cfg.data.prompt_column, cfg.data.answer_column)
+    order = prompt_order(len(rows), a)
+    data = Dataset.from_list([{"prompt": render_prompt(tok, rows[i].question, cfg.data.system_prompt),
+                               "answer": rows[i].answer} for i in order])
+    ours = build_reward("correctness")
+
+    def correctness(prompts, completions, answer, **kwargs) -> list[float | None]:
+        return ours(prompts, completions, answer=answer)
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.begin, self.seconds = 0.0, []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.seconds.append(time.perf_counter() - self.begin)
+
+    clock = StepClock()
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+            max_steps=a.steps, per_device_train_batch_size=a.prompts * a.generations,
+            num_generations=a.generations, max_completion_length=a.max_new, temperature=a.temperature,
+            learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
+            num_iterations=1, loss_type="grpo", scale_rewards="group", shuffle_dataset=False, seed=0,
+            activation_checkpointing=False, disable_tqdm=True)
+        trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[correctness], args=args,
+                              train_dataset=data, callbacks=[clock],
+                              peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
+        gen_seconds: list[float] = []
+        policy = trainer.model
+        plain_generate = policy.generate
+
+        def timed_generate(*args, **kwargs):  # measurement only: TRL has no per-phase timings in its logs
+            t0 = time.perf_counter()
+            try:
+                return plain_generate(*args, **kwargs)
+            finally:
+                gen_seconds.append(time.perf_counter() - t0)
+
+        policy.generate = timed_generate
+        trainer.train()
+    logs = [r for r in trainer.state.log_history if "reward" in r]
+    rows_per_step = a.prompts * a.generations
+    tok_s = [r["completions/mean_length"] * rows_per_step / s for r, s in zip(logs, gen_seconds)]
+    return {
+        "seconds_per_step": statistics.median(clock.seconds[1:] or clock.seconds),
+        "phases": {"rollout": statistics.median(gen_seconds[1:] or gen_seconds)},
+        "rollout_tokens_per_s": statistics.median(tok_s[1:] or tok_s),
+        "peak_rss_mb": peak_rss_mb(),
+        "mean_reward_last_10": statistics.mean(r["reward"] for r in logs[-10:]),
+    }
+
+
+def spawn(side: str, a, **changes) -> dict:
+    """One side in a fresh process (its own peak RSS), returning its JSON line."""
+    b = argparse.Namespace(**{**vars(a), **changes})
+    cmd = [sys.executable, __file__, "--worker", side, *settings_args(b)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"{side} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(a, **changes) -> dict:
+    sides = ["ours", "trl"] if a.only is None else [a.only]
+    result = {side: spawn(side, a, **changes) for side in sides}
+    if len(result) == 2:
+        o, t = result["ours"], result["trl"]
+        result["ratio"] = {"seconds_per_step": o["seconds_per_step"] / t["seconds_per_step"],
+                           "peak_rss": o["peak_rss_mb"] / t["peak_rss_mb"],
+                           "rollout_tokens_per_s": o["rollout_tokens_per_s"] / t["rollout_tokens_per_s"]}
+    return result
+
+
+def print_table(title: str, result: dict) -> None:
+    print(title)
+    print(f"  {'':<8}{'s/step':>8}{'rollout s':>11}{'update s':>10}{'tok/s':>8}{'peak RSS MB':>13}{'reward':>8}")
+    for side in ("ours", "trl"):
+        if side in result:
+            r = result[side]
+            ph = r["phases"]
+            upd = ph.get("update", float("nan"))
+            print(f"  {side:<8}{r['seconds_per_step']:>8.3f}{ph['rollout']:>11.3f}{upd:>10.3f}"
+                  f"{r['rollout_tokens_per_s']:>8.0f}{r['peak_rss_mb']:>13.0f}{r['mean_reward_last_10']:>8.3f}")
+    if "ratio" in result:
+        q = result["ratio"]
+        print(f"  ours/TRL: seconds per step {q['seconds_per_step']:.2f}, peak RSS {q['peak_rss']:.2f}, "
+              f"rollout tokens/s {q['rollout_tokens_per_s']:.2f}")
+    if "ours" in result:
+        print("  our phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in result["ours"]["phases"].items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    ap.add_argument("--generations", type=int, default=8, help="completions per prompt (group size)")
+    ap.add_argument("--max-new", type=int, default=48, help="max new tokens per completion")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for each side")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    help="extra override for our side, e.g. rollout.engine=hf (repeatable)")
+    ap.add_argument("--only", choices=["ours", "trl"], help="run one side")
+    ap.add_argument("--sweep", action="store_true", help="group size {4,8,16} x max new tokens {32,64,128}")
+    ap.add_argument("--sweep-steps", type=int, default=12, help="steps per sweep point")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    a = ap.parse_args()
+
+    if a.worker:
+        print(json.dumps(run_ours(a) if a.worker == "ours" else run_trl(a)))
         return
-    for k, v in result.items():
-        print(f"{k:>24}  {v:.3f}" if isinstance(v, float) else f"{k:>24}  {v}")
+    started = time.strftime("%Y-%m-%d")
+    if not a.sweep:
+        result = compare(a)
+        if a.json:
+            print(json.dumps({"date": started, "settings": vars(a), **result}))
+        else:
+            print_table(f"{started}: {a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens, "
+                        f"{a.steps} steps, {a.threads} threads", result)
+        return
+    points = []
+    for g in (4, 8, 16):
+        for n in (32, 64, 128):
+            r = compare(a, generations=g, max_new=n, steps=a.sweep_steps)
+            points.append({"generations": g, "max_new": n, **r})
+            if not a.json:
+                print_table(f"G={g} max_new={n} ({a.prompts} prompts, {a.sweep_steps} steps)", r)
+    if a.json:
+        print(json.dumps({"date": started, "settings": vars(a), "sweep": points}))
+        return
+    print("\nsweep, seconds per step (ours | TRL | ratio):")
+    print("  G \\ max_new" + "".join(f"{n:>24}" for n in (32, 64, 128)))
+    for g in (4, 8, 16):
+        cells = []
+        for p in (q for q in points if q["generations"] == g):
+            o = p.get("ours", {}).get("seconds_per_step", float("nan"))
+            t = p.get("trl", {}).get("seconds_per_step", float("nan"))
+            cells.append(f"{o:.2f} | {t:.2f} | {o / t:.2f}")
+        print(f"  {g:<12}" + "".join(f"{c:>24}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -71,3 +71,60 @@ def test_padding_does_not_change_gradients(tiny):
     alone = grad_of_row0(build_batch(p_ids[:1], c_ids[:1], [0], [0], tok.pad_token_id))
     model.zero_grad()
     assert torch.allclose(both, alone, atol=1e-5)
+
+
+def _group_batch(tok, groups):
+    """Rows of several groups (prompt i, completions), group ids possibly non-contiguous."""
+    prompts = _prompts(tok)
+    comps = ["<think>\n3 + 4 = 7\n</think>\n<answer>7</answer>", "<think>\n12 - 5", "<answer>9</answer>",
+             "<think>\n3 + 4 = 8\n</think>"]
+    p_ids, c_ids, group = [], [], []
+    for r, g in enumerate(groups):
+        p_ids.append(tok(prompts[g % 2], add_special_tokens=False)["input_ids"])
+        c_ids.append(tok(comps[r % len(comps)], add_special_tokens=False)["input_ids"])
+        group.append(g)
+    return build_batch(p_ids, c_ids, [0.0] * len(groups), group, tok.pad_token_id)
+
+
+def test_shared_prompt_forward_equals_the_plain_forward_values_hidden_and_gradients(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tiny
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                          task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    try:
+        batch = _group_batch(tok, [0, 1, 0, 0, 1, 2, 1])  # groups interleaved; group 2 (prompt 0) alone
+        results = []
+        for share in (False, True):
+            pm.zero_grad()
+            out = policy_forward(pm, batch, temperature=0.9, with_entropy=True, with_hidden=True,
+                                 share_prompt=share)
+            loss = (out.logps * batch.completion_mask).sum() + out.hidden.pow(2).mean()
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+            results.append((out, grads))
+        (plain, g0), (shared, g1) = results
+        m = batch.completion_mask.bool()
+        assert torch.allclose(plain.logps[m], shared.logps[m], atol=1e-5)
+        assert torch.allclose(plain.entropy[m], shared.entropy[m], atol=1e-5)
+        assert torch.allclose(plain.hidden[m], shared.hidden[m], atol=1e-5)
+        assert g0.keys() == g1.keys() and len(g0) == 3 * 4 * 2  # 3 modules x 4 layers x (A, B)
+        for n in g0:  # float32 sums in another order: equal to ~1e-6 of the gradient's norm
+            assert (g0[n] - g1[n]).norm() <= 2e-5 * g0[n].norm(), n
+    finally:
+        pm.unload()  # give the session's model back without adapters
+
+
+def test_shared_prompt_forward_skips_itself_when_no_group_repeats(tiny):
+    from docuchat_rl.batch import _shared_prompt_forward
+
+    model, tok = tiny
+    assert _shared_prompt_forward(model, _group_batch(tok, [0, 1, 2]), False) is None
+    with torch.no_grad():
+        shared = _shared_prompt_forward(model, _group_batch(tok, [0, 0, 1]), False)
+    assert shared is not None and shared[0].shape[0] == 3

@@ -61,6 +61,11 @@ BAD = [
      "a2c with several updates"),
     (["algorithm.name=a2c", "optim.minibatch_size=32"], "'optim.minibatch_size': a2c makes a single update",
      "a2c with minibatches"),
+    (["rollout.min_new_tokens=80"], "rollout.min_new_tokens: 80 is more than rollout.max_new_tokens \\(64\\)",
+     "min above max new tokens"),
+    (["rollout.engine=vllm"], "'rollout.engine'.*'fast' or 'hf'", "unknown rollout engine"),
+    (["algorithm.critic_backbone=own"], "'algorithm.critic_backbone'.*'shared' or 'separate'",
+     "unknown critic backbone"),
 ]
 
 

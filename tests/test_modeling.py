@@ -66,3 +66,51 @@ def test_card_accuracy_is_in_band_and_re_measures_within_3_points(tiny):
     result = evaluate(tiny[0], tiny[1], cfg)  # math-verify correctness on all 500 held-out rows
     assert result["rows"] == card["heldout"]["rows"] == 500
     assert abs(result["accuracy"] - claimed) <= 0.03, (result["accuracy"], claimed)
+
+
+def _lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # a non-zero delta, as after training
+    return pm
+
+
+def test_merged_adapter_gives_the_adapter_outputs_and_restores_weights_bit_for_bit():
+    from transformers import AutoModelForCausalLM
+
+    from docuchat_rl.modeling import merged_adapter
+
+    pm = _lora(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32))
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    ids = torch.tensor([[5, 17, 40, 99, 3]])
+    with torch.no_grad():
+        unmerged = pm(input_ids=ids).logits
+        with pm.disable_adapter():
+            base = pm(input_ids=ids).logits
+        with merged_adapter(pm):
+            merged = pm(input_ids=ids).logits
+    assert not torch.allclose(unmerged, base, atol=1e-3)  # the adapter matters
+    assert torch.allclose(merged, unmerged, atol=1e-4)  # and the merged weights carry it
+    after = dict(pm.named_parameters())
+    assert all(torch.equal(before[n], after[n]) for n in before)  # no drift, not even rounding
+    assert pm.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters is False
+
+
+def test_merged_adapter_restores_after_an_error_and_ignores_plain_models(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from docuchat_rl.modeling import merged_adapter
+
+    pm = _lora(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32))
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    with pytest.raises(RuntimeError), merged_adapter(pm):
+        raise RuntimeError("generation failed")
+    assert all(torch.equal(before[n], p) for n, p in pm.named_parameters())
+    model, _ = tiny
+    with merged_adapter(model) as m:  # not a peft model: a no-op
+        assert m is model

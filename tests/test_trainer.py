@@ -13,7 +13,7 @@ import torch
 from docuchat_rl.config import load_config
 from docuchat_rl.data import DataError
 from docuchat_rl.outputs import read_jsonl
-from docuchat_rl.trainer import Trainer, TrainingError
+from docuchat_rl.trainer import Timer, Trainer, TrainingError
 
 from .conftest import MODEL, ROOT
 
@@ -173,7 +173,8 @@ def test_bad_inputs_fail_early_with_clear_errors(tmp_path):
     ("ppo", ["algorithm.num_iterations=2", "optim.minibatch_size=4", "algorithm.ent_coef=0.01",
              "algorithm.beta=0.05", "algorithm.kl_in_reward=true"]),
     ("a2c", ["optim.name=rmsprop", "optim.eps=1e-5", "algorithm.n_steps=8", "algorithm.ent_coef=0.01"]),
-])
+    ("ppo", ["algorithm.critic_backbone=separate", "optim.minibatch_size=4"]),
+], ids=["ppo", "a2c", "ppo-separate-critic"])
 def test_actor_critic_runs_traces_values_and_resumes_bit_identically(tmp_path, algo, extra):
     opts = [f"algorithm.name={algo}", "rollout.num_generations=1", "rollout.prompts_per_step=8",
             "run.steps=3", "checkpoint.every=2", *extra]
@@ -195,7 +196,10 @@ def test_actor_critic_runs_traces_values_and_resumes_bit_identically(tmp_path, a
         assert untimed(read_jsonl(cut_dir / name)) == untimed(read_jsonl(full_dir / name))
     from safetensors.torch import load_file
 
-    for f in ("critic.safetensors", "adapter_model.safetensors"):
+    files = ["critic.safetensors", "adapter_model.safetensors"]
+    if "algorithm.critic_backbone=separate" in extra:
+        files.append("critic/adapter_model.safetensors")  # the critic's own LoRA adapter
+    for f in files:
         a, b = load_file(full_dir / "checkpoint-3" / f), load_file(cut_dir / "checkpoint-3" / f)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
 
@@ -213,3 +217,34 @@ def test_data_set_columns_reach_the_rewards(tmp_path):
     traces = read_jsonl(tmp_path / "traces.jsonl")
     for r in traces:  # the reward saw each row's own level column
         assert r["rewards"]["tests.user_rewards:uses_level"]["raw"] == float(r["prompt_id"] + 1)
+
+
+def test_separate_critic_adapter_keeps_value_gradients_off_the_policy_adapter(tmp_path):
+    """With critic_backbone=separate the value loss trains the critic's adapter and value head only, and
+    the policy loss trains the policy adapter only; shared, the value loss reaches the policy adapter."""
+    from docuchat_rl.losses import Norm
+
+    for backbone in ("separate", "shared"):
+        t = Trainer(cfg_for(tmp_path / backbone, "algorithm.name=ppo", "rollout.num_generations=1",
+                            "rollout.prompts_per_step=4", f"algorithm.critic_backbone={backbone}"))
+        parts, _ = t.collect(Timer())
+        batch, _ = t.prepare(parts, Timer())
+        t.advantages(batch, Timer())
+        norm = Norm(rows=batch.rows, tokens=float(batch.completion_mask.sum()), max_new_tokens=24)
+        grads = {}
+        for part in ("value", "policy"):
+            t.optimizer.zero_grad(set_to_none=True)
+            out = t.forward(t.model, batch, with_entropy=True)
+            if part == "value":
+                loss = t.algo.critic_terms(out, batch, norm, None)[0]
+            else:
+                loss = t.algo.policy_loss(out, batch, norm)[0]
+            loss.backward()
+            grads[part] = {n for n, p in t.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        t.close()
+        policy_names = {n for n in grads["policy"]}
+        assert policy_names and all(".default." in n for n in policy_names)
+        if backbone == "separate":
+            assert grads["value"] and all(".critic." in n for n in grads["value"])
+        else:
+            assert grads["value"] == policy_names or grads["value"] & policy_names

@@ -1,0 +1,131 @@
+"""The fast decode loop against transformers.generate, the sampler against its definition, warpers
+against transformers' own, and the sliding-window fallback on a real (tiny, random) Mistral."""
+
+import pytest
+import torch
+
+from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, load_examples, render_prompt
+from docuchat_rl.generation import generate, sample, warp_logits
+
+from .conftest import TASK
+
+
+def _prompts(tok, n):
+    rows = load_examples(str(TASK / "test.jsonl"), "test", "question", "answer", limit=n)
+    return [render_prompt(tok, r.question, DEFAULT_SYSTEM_PROMPT) for r in rows]
+
+
+def test_fast_greedy_equals_transformers_generate(tiny):
+    model, tok = tiny
+    prompts = _prompts(tok, 24)  # different lengths: left padding inside every chunk
+    kw = dict(max_new_tokens=40, do_sample=False, batch_size=16)
+    hf = generate(model, tok, prompts, engine="hf", **kw)
+    fast = generate(model, tok, prompts, engine="fast", **kw)
+    assert fast.completion_ids == hf.completion_ids
+    assert fast.truncated == hf.truncated and fast.prompt_ids == hf.prompt_ids
+    assert any(not t for t in fast.truncated)  # some rows did stop at EOS
+    for ids, cut in zip(fast.completion_ids, fast.truncated):
+        assert cut or ids[-1] == tok.eos_token_id  # ends at EOS unless truncated
+        assert tok.eos_token_id not in ids[:-1]  # nothing after the first EOS is kept
+
+
+def test_fast_groups_repeat_prompt_major_and_sample_differently(tiny):
+    model, tok = tiny
+    prompts = _prompts(tok, 3)
+    torch.manual_seed(0)
+    gen = generate(model, tok, prompts, max_new_tokens=24, do_sample=True, num_return_sequences=4, batch_size=8)
+    assert len(gen.completion_ids) == 12
+    for r in range(12):  # rows are prompt-major: row r belongs to prompt r // 4
+        assert gen.prompt_ids[r] == tok(prompts[r // 4], add_special_tokens=False)["input_ids"]
+    assert len({tuple(c) for c in gen.completion_ids[:4]}) > 1  # the group is not 4 copies
+    torch.manual_seed(0)
+    again = generate(model, tok, prompts, max_new_tokens=24, do_sample=True, num_return_sequences=4, batch_size=8)
+    assert again.completion_ids == gen.completion_ids  # seeded: reproducible
+
+
+def test_sampled_tokens_have_the_model_distribution(tiny):
+    """The first sampled token of many rows against the model's own next-token probabilities."""
+    model, tok = tiny
+    prompt = _prompts(tok, 1)
+    enc = tok(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(**enc).logits[0, -1] / 1.3
+    torch.manual_seed(1)
+    gen = generate(model, tok, prompt, max_new_tokens=1, do_sample=True, temperature=1.3,
+                   num_return_sequences=4000, batch_size=4000)
+    counts = torch.bincount(torch.tensor([c[0] for c in gen.completion_ids]), minlength=logits.numel())
+    freq = counts / counts.sum()
+    probs = logits.softmax(-1)
+    assert (freq - probs).abs().max() < 0.03  # 4000 draws: sd of a frequency <= 0.008
+
+
+def test_sampler_is_exact_and_never_picks_excluded_tokens():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    logits = probs.log().expand(200_000, -1)
+    torch.manual_seed(0)
+    draws = sample(logits, do_sample=True)
+    freq = torch.bincount(draws, minlength=5) / draws.numel()
+    assert freq[1] == 0 and freq[4] == 0  # zero probability: never, even at the CDF's flat end
+    assert torch.allclose(freq, probs, atol=0.005)
+    top1 = sample(torch.tensor([[0.1, 2.0, 0.3]]).expand(1000, -1), do_sample=True, top_k=1)
+    assert (top1 == 1).all()
+    assert sample(torch.tensor([[0.1, 2.0, 0.3]]), do_sample=False).tolist() == [1]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.8),
+                                                     (1.3, 20, 0.9), (1.0, 1, 0.5)])
+def test_warpers_match_transformers(temperature, top_k, top_p):
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    ref = logits.clone()
+    ids = torch.zeros(6, 1, dtype=torch.long)
+    if temperature != 1.0:
+        ref = TemperatureLogitsWarper(temperature)(ids, ref)
+    if top_k:
+        ref = TopKLogitsWarper(top_k)(ids, ref)
+    if top_p < 1.0:
+        ref = TopPLogitsWarper(top_p)(ids, ref)
+    ours = warp_logits(logits, temperature, top_k, top_p)
+    assert torch.equal(ours.isinf(), ref.isinf())
+    assert torch.allclose(ours[~ours.isinf()], ref[~ref.isinf()])
+
+
+def test_sliding_window_model_falls_back_to_a_growing_cache_and_matches(tiny):
+    """A model whose cache is not plain full attention (sliding window) takes the repeated dynamic cache;
+    greedy output still equals transformers.generate."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    _, tok = tiny
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                        max_position_embeddings=512, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = MistralForCausalLM(cfg).eval()
+    prompts = _prompts(tok, 4)
+    with torch.no_grad():
+        cache = model(**tok(prompts[:1], return_tensors="pt"), use_cache=True).past_key_values
+    assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer"  # really the fallback path
+    fast = generate(model, tok, prompts, engine="fast", max_new_tokens=12, do_sample=False, num_return_sequences=2)
+    hf = generate(model, tok, [p for p in prompts for _ in range(2)], engine="hf", max_new_tokens=12,
+                  do_sample=False)
+    assert fast.completion_ids == hf.completion_ids
+
+
+def test_unknown_engine_is_refused(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="valid: fast, hf"):
+        generate(model, tok, ["x"], max_new_tokens=1, do_sample=False, engine="vllm")
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_min_new_tokens_gives_fixed_lengths(tiny, engine):
+    model, tok = tiny
+    prompts = _prompts(tok, 2)
+    free = generate(model, tok, prompts, max_new_tokens=60, do_sample=False, engine=engine)
+    assert any(len(c) < 60 for c in free.completion_ids)  # it would stop early on its own
+    fixed = generate(model, tok, prompts, max_new_tokens=60, min_new_tokens=60, do_sample=True,
+                     num_return_sequences=2, engine=engine)
+    assert all(len(c) == 60 for c in fixed.completion_ids)
+    assert all(tok.eos_token_id not in c[:-1] for c in fixed.completion_ids)
