@@ -6,12 +6,13 @@ shift between rollout and update.
 
 Two engines, the same contract:
 - `fast` (default): our own decode loop. Each distinct prompt is prefilled once and its keys/values are
-  copied to its G samples (`transformers.generate` prefills every copy); decoding writes into a
-  preallocated `StaticCache` instead of concatenating a growing one every token; logits are computed for
-  the last position only and sampled with the exponential-race trick (argmax of p / Exp(1), an exact
-  categorical draw without `multinomial`'s per-row setup); it stops as soon as every row has ended.
-  Hand-written because `generate` offers none of the first three for sampling. Models whose cache is
-  not plain full attention (sliding windows, linear attention) keep a growing cache.
+  copied to its G samples (`transformers.generate` prefills every copy); decoding writes into
+  preallocated static buffers instead of concatenating a growing cache every token, and attends only to
+  their filled part; logits are computed for the last position only and sampled with one uniform per
+  row through the CDF (drawing a random number per vocabulary entry, as `multinomial` and the Gumbel or
+  exponential tricks do, cost more than a layer of the embedded model); it stops as soon as every row
+  has ended. Hand-written because `generate` offers none of this for sampling. Models whose cache is
+  not plain full attention (sliding windows, linear attention) keep a growing cache, repeated per sample.
 - `hf`: `transformers.generate`, for anything the fast loop does not cover.
 
 Deliberately left out: vLLM/SGLang engines, speculative decoding, continuous batching, compiled decode
@@ -75,19 +76,43 @@ def sample(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)  # [R]
 
 
+def _filled_static_layer():
+    """transformers' StaticLayer, attending only to the positions written so far.
+
+    A StaticLayer hands attention its whole preallocated length (prompt + max_new_tokens) at every
+    step, masked; with long completions that is up to twice the keys actually in use. This one returns
+    the filled prefix of the same buffers, so a step costs what a growing cache costs, without the
+    growing cache's concatenation.
+    """
+    from transformers.cache_utils import StaticLayer
+
+    class FilledStaticLayer(StaticLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            n = int(self.cumulative_length)
+            return keys[:, :, :n], values[:, :, :n]  # [R, H, filled, D]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return int(self.cumulative_length) + query_length, 0
+
+    return FilledStaticLayer
+
+
 def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):
-    """The prefill cache with each prompt row repeated `repeats` times: a StaticCache of `max_len`
-    positions when every layer is plain full attention, else the prefill cache itself, repeated."""
-    from transformers import DynamicCache, StaticCache
+    """The prefill cache with each prompt row repeated `repeats` times: preallocated static buffers of
+    `max_len` positions when every layer is plain full attention, else the prefill cache itself, repeated."""
+    from transformers import Cache, DynamicCache, StaticCache
     from transformers.cache_utils import DynamicLayer, StaticLayer
 
     if isinstance(prefill_cache, DynamicCache) and all(type(x) is DynamicLayer for x in prefill_cache.layers):
-        static = StaticCache(config=model.config, max_cache_len=max_len)
-        if len(static.layers) == len(prefill_cache.layers) and all(type(x) is StaticLayer for x in static.layers):
+        layer_types = StaticCache(config=model.config, max_cache_len=max_len).layers  # the model's layer kinds
+        if len(layer_types) == len(prefill_cache.layers) and all(type(x) is StaticLayer for x in layer_types):
+            filled = _filled_static_layer()
+            cache = Cache(layers=[filled(max_cache_len=max_len) for _ in layer_types])
             for i, layer in enumerate(prefill_cache.layers):
-                static.update(layer.keys.repeat_interleave(repeats, 0),  # [R, H, Lp, D]
-                              layer.values.repeat_interleave(repeats, 0), i)
-            return static
+                cache.update(layer.keys.repeat_interleave(repeats, 0),  # [R, H, Lp, D]
+                             layer.values.repeat_interleave(repeats, 0), i)
+            return cache
     prefill_cache.batch_repeat_interleave(repeats)
     return prefill_cache
 

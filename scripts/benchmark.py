@@ -3,6 +3,7 @@
     python scripts/benchmark.py                      # 8 prompts x 8 completions, 48 new tokens, 30 steps
     python scripts/benchmark.py --only ours --set optim.share_prompt=false
     python scripts/benchmark.py --sweep              # group size {4, 8, 16} x max new tokens {32, 64, 128}
+    python scripts/benchmark.py --sweep --fixed-length   # every completion exactly max-new tokens long
     python scripts/benchmark.py --json
 
 Each side runs in its own process, one after the other (so each peak RSS is its own): (a) our trainer,
@@ -33,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def settings_args(a) -> list[str]:
     return ["--prompts", str(a.prompts), "--generations", str(a.generations), "--max-new", str(a.max_new),
             "--steps", str(a.steps), "--lr", str(a.lr), "--temperature", str(a.temperature),
-            "--threads", str(a.threads), *[x for s in a.overrides for x in ("--set", s)]]
+            "--threads", str(a.threads), *(["--fixed-length"] if a.fixed_length else []),
+            *[x for s in a.overrides for x in ("--set", s)]]
 
 
 def peak_rss_mb() -> float:
@@ -59,6 +61,7 @@ def run_ours(a) -> dict:
             f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}",
             "algorithm.beta=0", "algorithm.num_iterations=1", "algorithm.loss_aggregation=grpo",
             f"optim.lr={a.lr}", "optim.schedule=constant", "optim.warmup_steps=0",
+            f"rollout.min_new_tokens={a.max_new if a.fixed_length else 0}",
             "rewards.components=[{name: correctness, weight: 1.0}]", "logging.progress=false",
             f"checkpoint.every={a.steps + 1}", "eval.before_and_after=false", *a.overrides])
         trainer = Trainer(cfg)
@@ -117,7 +120,8 @@ def run_trl(a) -> dict:
             num_generations=a.generations, max_completion_length=a.max_new, temperature=a.temperature,
             learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
             num_iterations=1, loss_type="grpo", scale_rewards="group", shuffle_dataset=False, seed=0,
-            activation_checkpointing=False, disable_tqdm=True)
+            activation_checkpointing=False, disable_tqdm=True,
+            generation_kwargs={"min_new_tokens": a.max_new} if a.fixed_length else None)
         trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[correctness], args=args,
                               train_dataset=data, callbacks=[clock],
                               peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
@@ -200,6 +204,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["ours", "trl"], help="run one side")
     ap.add_argument("--sweep", action="store_true", help="group size {4,8,16} x max new tokens {32,64,128}")
     ap.add_argument("--sweep-steps", type=int, default=12, help="steps per sweep point")
+    ap.add_argument("--fixed-length", action="store_true",
+                    help="no EOS before max new tokens on both sides (every completion is max-new long)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -213,8 +219,9 @@ def main() -> None:
         if a.json:
             print(json.dumps({"date": started, "settings": vars(a), **result}))
         else:
-            print_table(f"{started}: {a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens, "
-                        f"{a.steps} steps, {a.threads} threads", result)
+            print_table(f"{started}: {a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens"
+                        f"{' (fixed length)' if a.fixed_length else ''}, {a.steps} steps, {a.threads} threads",
+                        result)
         return
     points = []
     for g in (4, 8, 16):
