@@ -242,9 +242,8 @@ def test_separate_critic_adapter_keeps_value_gradients_off_the_policy_adapter(tm
             loss.backward()
             grads[part] = {n for n, p in t.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
         t.close()
-        policy_names = {n for n in grads["policy"]}
-        assert policy_names and all(".default." in n for n in policy_names)
+        assert grads["policy"] and all(".default." in n for n in grads["policy"])
         if backbone == "separate":
             assert grads["value"] and all(".critic." in n for n in grads["value"])
-        else:
-            assert grads["value"] == policy_names or grads["value"] & policy_names
+        else:  # the value loss trains the policy's own adapter
+            assert grads["value"] & grads["policy"]
