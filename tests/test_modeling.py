@@ -68,6 +68,25 @@ def test_card_accuracy_is_in_band_and_re_measures_within_3_points(tiny):
     assert abs(result["accuracy"] - claimed) <= 0.03, (result["accuracy"], claimed)
 
 
+
+@pytest.mark.slow
+def test_card_answer_only_habit_re_measures(tiny):
+    """The card's claim that RL has a habit to train away: most 3-4-step problems answered without working."""
+    from docuchat_rl.synthetic import make_task
+
+    model, tok = tiny
+    by = json.loads((MODEL / "card.json").read_text())["heldout"]["by_steps"]
+    assert by["2"]["answer_only_rate"] < 0.5 <= min(by["3"]["answer_only_rate"], by["4"]["answer_only_rate"])
+    test = make_task(1234)["test"]
+    prompts = [render_prompt(tok, p.question, DEFAULT_SYSTEM_PROMPT) for p in test]
+    gen = generate(model, tok, prompts, max_new_tokens=96, do_sample=False, batch_size=256)
+    texts = tok.batch_decode(gen.completion_ids, skip_special_tokens=True)
+    for k in ("2", "3", "4"):
+        rows = [t for p, t in zip(test, texts) if p.answer.count("<<") == int(k)]
+        bare = sum(t.replace("\n", "").startswith("<think></think>") for t in rows) / len(rows)
+        assert len(rows) == by[k]["rows"] and abs(bare - by[k]["answer_only_rate"]) <= 0.05, (k, bare, by[k])
+
+
 def _lora(model):
     from peft import LoraConfig, get_peft_model
 
