@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -165,6 +166,8 @@ def cmd_audit(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    # peft reads transformers' deprecated `is_gradient_checkpointing` on every PeftModel: noise, not ours.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     from rewards import RewardError
 
     from .audit import AuditError
