@@ -253,6 +253,8 @@ class RunConfig(Section):
     """Seed for data order, sampling and initialisation."""
     threads: int | None = Field(None, ge=1)
     """Torch CPU threads (null: torch's default)."""
+    overwrite: bool = False
+    """A fresh run (no --resume) replaces an earlier run's outputs in output_dir (else that is an error)."""
 
 
 class Config(Section):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,23 @@ def _clean(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     return x
+
+
+RUN_FILES = ("traces.jsonl", "metrics.jsonl", "eval.jsonl", "eval.json", "latest")
+
+
+def claim_output_dir(out_dir: Path, overwrite: bool) -> None:
+    """Make `out_dir` ready for a fresh run: the outputs files append, so an earlier run's records would
+    mix with this run's. Raises ValueError naming what is there, or removes it when `overwrite`.
+    Only the files a run writes are touched; anything else in the folder stays."""
+    out_dir = Path(out_dir)
+    found = [out_dir / n for n in RUN_FILES if (out_dir / n).exists()] + sorted(out_dir.glob("checkpoint-*"))
+    if found and not overwrite:
+        names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ValueError(f"run.output_dir {out_dir} already holds a run ({names}): continue it with "
+                         f"--resume latest, choose another run.output_dir, or set run.overwrite=true to replace it")
+    for path in found:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 class JsonlWriter:

@@ -37,7 +37,7 @@ from .data import DataError, Example, load_examples, render_prompt
 from .generation import generate
 from .losses import Norm
 from .modeling import load_model_and_tokenizer, merged_adapter
-from .outputs import JsonlWriter
+from .outputs import JsonlWriter, claim_output_dir
 
 
 class TrainingError(RuntimeError):
@@ -139,6 +139,11 @@ class Trainer:
         self.cfg = cfg
         self.out_dir = Path(cfg.run.output_dir)
         resume_dir = resolve_resume(resume, self.out_dir) if resume else None  # fail before loading anything
+        if not resume:
+            try:
+                claim_output_dir(self.out_dir, cfg.run.overwrite)
+            except ValueError as e:
+                raise TrainingError(str(e)) from None
         if cfg.logging.wandb:
             try:
                 import wandb  # noqa: F401  (fail before loading anything)

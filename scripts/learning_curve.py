@@ -9,6 +9,7 @@ training including the evaluations, accuracy, gain over the before-training eval
 smallest and the last gain reached within `--budget` minutes. The learning targets of the embedded default
 (GRPO +20 points, PPO and A2C +10 points within 15 minutes on 2 cores) are checked with this script; they
 are a benchmark, not a test. Extra `--set key=value` overrides go to every run.
+Each run goes to `--out`/<config name>, replacing an earlier curve there.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ def main() -> None:
     for cfg in a.configs:
         out = a.out / cfg.stem
         cmd = ["docuchat-rl", "train", "--config", str(cfg), "--set", f"run.output_dir={out}",
-               "--set", f"eval.every={a.every}", "--set", "eval.before_and_after=true"]
+               "--set", f"eval.every={a.every}", "--set", "eval.before_and_after=true",
+               "--set", "run.overwrite=true"]  # the folder is this script's own: replace an earlier curve
         cmd += ["--set", f"run.steps={a.steps}"] if a.steps else []
         for kv in a.set:
             cmd += ["--set", kv]

@@ -65,3 +65,7 @@ def test_train_reports_before_and_after_and_reuses_the_final_periodic_eval(tmp_p
     assert report["before"]["rows"] == report["after"]["rows"] == 8
     assert {k: v for k, v in final.items() if k not in ("step", "minutes")} == report["after"]
     assert "eval before:" in capsys.readouterr().out
+    # a second fresh run into the same folder would append to its files: refused before loading anything
+    assert main(["train", "--set", f"run.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume latest" in err and "run.overwrite=true" in err

@@ -68,7 +68,6 @@ def test_card_accuracy_is_in_band_and_re_measures_within_3_points(tiny):
     assert abs(result["accuracy"] - claimed) <= 0.03, (result["accuracy"], claimed)
 
 
-
 @pytest.mark.slow
 def test_card_answer_only_habit_re_measures(tiny):
     """The card's claim that RL has a habit to train away: most 3-4-step problems answered without working."""
