@@ -8,28 +8,38 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: float = 1e-4):
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: str, eps: float = 1e-4,
+                     valid: torch.Tensor | None = None):
     """GRPO: (r - group mean) / (std + eps), with std per group, over the batch, or none (Dr. GRPO).
 
-    rewards [R] with R = groups * group_size, groups contiguous -> (advantages [R], zero_std [groups])
-    std is Bessel-corrected (as torch.std and TRL); a group whose rewards all agree gets advantage 0.
+    rewards [R]; group [R] long, each row's group index (rows need not be contiguous); valid [R] bool,
+    False for rows without a reward value (every component None or failed): they are left out of their
+    group's mean and std and of the batch std, and get advantage 0. -> (advantages [R], zero_std [groups])
+    std is Bessel-corrected (as torch.std and TRL); a group whose valid rewards all agree (or that has
+    fewer than 2) gets advantage 0.
     """
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    r = rewards.float().view(-1, group_size)  # [groups, G]
-    centred = r - r.mean(dim=1, keepdim=True)  # [groups, G]
-    std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(r[:, :1])  # [groups, 1]
-    zero_std = std.squeeze(1) < 1e-8  # [groups]
+    r = rewards.double()  # [R]; float64 sums keep a constant group's residuals at ~1e-17
+    ok = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.bool()  # [R]
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    w = ok.double()  # [R]
+    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, group, w)  # [groups]
+    total = torch.zeros_like(count).index_add_(0, group, r * w)  # [groups]
+    mean = total / count.clamp(min=1.0)  # [groups]
+    centred = (r - mean[group]) * w  # [R]
+    sq = torch.zeros_like(count).index_add_(0, group, centred ** 2)  # [groups]
+    std = (sq / (count - 1).clamp(min=1.0)).sqrt()  # [groups]
+    zero_std = (std < 1e-8) | (count < 2)  # [groups]
     if scale == "group":
-        adv = centred / (std + eps)
+        adv = centred / (std[group] + eps)
     elif scale == "batch":
-        adv = centred / (rewards.float().std() + eps) if rewards.numel() > 1 else centred
+        kept = r[ok]
+        adv = centred / (kept.std() + eps) if kept.numel() > 1 else centred
     elif scale == "none":
         adv = centred
     else:
         raise ValueError(f"unknown advantage scale {scale!r}; valid: group, batch, none")
-    adv = adv.masked_fill(zero_std.unsqueeze(1), 0.0)  # float residuals / eps would leave ~1e-4 noise
-    return adv.reshape(-1), zero_std
+    adv = adv.masked_fill(zero_std[group] | ~ok, 0.0)  # float residuals / eps would leave ~1e-4 noise
+    return adv.float(), zero_std
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,

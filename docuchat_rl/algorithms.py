@@ -2,12 +2,16 @@
 
 The trainer calls every algorithm the same way and never looks at its name:
 
-    algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden_size)
+    algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden_size)   # cfg.algorithm: its config_type
     algo.advantages(batch)                      -> metrics; fills batch.advantages [R, T]
     algo.loss(policy_output, micro_batch, norm) -> (loss, metrics)
     algo.critic                                 -> None, or a module: hidden states [R, T, H] -> values [R, T],
                                                    trained and saved with the adapter
     algo.trace_fields(batch)                    -> per-row values for the traces
+
+Every policy loss also compares the trainer's log-probs of the sampled tokens with the sampler's own
+(`sampler/*` metrics) and, with `rollout.correction`, weights each token by the truncated or masked
+ratio pi_train / pi_sampler (as TRL's vllm_importance_sampling_* and verl's rollout correction).
 
 Deliberately left out: algorithms that need a separate reward model or a second policy copy in memory.
 """
@@ -19,21 +23,27 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from .advantages import gae, group_advantages, nstep_returns, whiten
+from .algorithm_configs import A2CConfig, GRPOConfig, PPOConfig
 from .batch import Batch, PolicyOutput
-from .losses import (Norm, aggregate, clipped_surrogate, explained_variance, k3_kl, log_ratio, masked_mean,
-                     value_loss)
+from .losses import (Normalisers, aggregate, clipped_surrogate, explained_variance, k3_kl, log_ratio, masked_mean,
+                     sampler_weights, value_loss)
 
 if TYPE_CHECKING:
     from .config import Config
 
 _ALGORITHMS: dict[str, type[Algorithm]] = {}
+MISMATCH_THRESHOLD = 0.01  # nats: `sampler/mismatch_share` counts tokens whose |log pi_train - log pi_sampler| exceeds it
 
 
-def register_algorithm(name: str):
+def register_algorithm(name: str, config_type: type):
+    """Class decorator: the algorithm under `name` (the YAML/log name), configured by `config_type`."""
+
     def deco(cls: type[Algorithm]) -> type[Algorithm]:
         if name in _ALGORITHMS:
             raise ValueError(f"algorithm {name!r} is already registered")
-        cls.name = name
+        if config_type.model_fields["name"].default != name:
+            raise ValueError(f"algorithm {name!r}: its config type {config_type.__name__} is for another name")
+        cls.name, cls.config_type = name, config_type
         _ALGORITHMS[name] = cls
         return cls
 
@@ -52,6 +62,7 @@ def algorithm_names() -> list[str]:
 
 class Algorithm:
     name: ClassVar[str] = "algorithm"
+    config_type: ClassVar[type]
     critic: torch.nn.Module | None = None
     #: the rollout-time log-probs are needed even for a single on-policy update (e.g. KL in the reward)
     needs_rollout_logps: bool = False
@@ -59,18 +70,31 @@ class Algorithm:
     entropy_grad: bool = False
 
     def __init__(self, cfg: Config, hidden_size: int | None = None):
+        if not isinstance(cfg.algorithm, self.config_type):
+            raise TypeError(f"{self.name} needs a {self.config_type.__name__}, got {type(cfg.algorithm).__name__}")
         self.cfg = cfg
-
-    @classmethod
-    def check_config(cls, cfg: Config) -> str | None:
-        """One line naming the key at fault when this algorithm cannot run with `cfg`, else None."""
-        return None
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         raise NotImplementedError
 
-    def loss(self, out: PolicyOutput, mb: Batch, norm: Norm) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
+
+    def sampler_correction(self, trainer_logps: torch.Tensor, mb: Batch) -> tuple[torch.Tensor | None, dict]:
+        """The sampler/trainer mismatch metrics and, with `rollout.correction`, the importance weights
+        [r, T] (None when off). `trainer_logps` are the trainer's log-probs under the rollout policy."""
+        r, mask = self.cfg.rollout, mb.completion_mask
+        diff = (trainer_logps.detach() - mb.sampler_logps).abs() * mask  # [r, T]
+        metrics = {"sampler/mismatch_mean": float(masked_mean(diff, mask)),
+                   "sampler/mismatch_max": float(diff.max()) if diff.numel() else 0.0,
+                   "sampler/mismatch_share": float(masked_mean((diff > MISMATCH_THRESHOLD).float(), mask))}
+        if r.correction == "none":
+            return None, metrics
+        w, capped = sampler_weights(trainer_logps, mb.sampler_logps, mask, r.correction, r.correction_min,
+                                    r.correction_max)
+        metrics["sampler/capped_share"] = float(masked_mean(capped.float(), mask))
+        metrics["sampler/weight_mean"] = float(masked_mean(w, mask))
+        return w, metrics
 
     def trace_fields(self, batch: Batch) -> dict[str, list]:
         """Per-row values for the traces: the advantage (mean over the row's tokens)."""
@@ -78,46 +102,53 @@ class Algorithm:
         adv = (batch.advantages * m).sum(-1) / m.sum(-1).clamp(min=1.0)  # [R]
         return {"advantage": adv.tolist()}
 
-    def policy_loss(self, out: PolicyOutput, mb: Batch, norm: Norm):
-        """The clipped surrogate (+ k3 KL when beta > 0), aggregated; shared by GRPO and PPO."""
+    @property
+    def kl_loss(self) -> bool:
+        """A k3 KL term against the reference goes into the loss (beta > 0, not folded into the reward)."""
+        a = self.cfg.algorithm
+        return a.beta > 0 and not getattr(a, "kl_in_reward", False)
+
+    def kl_term(self, out: PolicyOutput, mb: Batch, per_token: torch.Tensor, metrics: dict) -> torch.Tensor:
+        """per_token + beta * k3 KL(pi || ref) when `kl_loss`, with the KL in `metrics`."""
+        if not self.kl_loss:
+            return per_token
+        kl = k3_kl(out.logps, mb.ref_logps)  # [r, T]
+        metrics["kl"] = float(masked_mean(kl.detach(), mb.completion_mask))
+        return per_token + self.cfg.algorithm.beta * kl
+
+    def policy_loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
+        """The clipped surrogate (+ k3 KL when beta > 0), sampler-corrected, aggregated; GRPO and PPO."""
         a, mask = self.cfg.algorithm, mb.completion_mask
         old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)
         per_token, low, high = clipped_surrogate(log_rho, mb.advantages, a.epsilon_low, a.epsilon_high)
-        metrics: dict[str, float] = {}
-        if a.beta > 0 and not a.kl_in_reward:
-            kl = k3_kl(out.logps, mb.ref_logps)  # [r, T]
-            per_token = per_token + a.beta * kl
-            metrics["kl"] = float(masked_mean(kl.detach(), mask))
+        weights, metrics = self.sampler_correction(old, mb)
+        if weights is not None:
+            per_token = per_token * weights
+        per_token = self.kl_term(out, mb, per_token, metrics)
         loss = aggregate(per_token, mask, a.loss_aggregation, norm)
         with torch.no_grad():
             metrics["clip_low"] = float(masked_mean(low.float(), mask))
             metrics["clip_high"] = float(masked_mean(high.float(), mask))
-            metrics["approx_kl_old"] = float(masked_mean(k3_kl(out.logps, old), mask))
+            metrics["approx_kl_old"] = float(masked_mean(k3_kl(old, out.logps), mask))  # (rho - 1) - log rho
             if out.entropy is not None:
                 metrics["entropy"] = float(masked_mean(out.entropy, mask))
         return loss, metrics
 
 
-@register_algorithm("grpo")
+@register_algorithm("grpo", GRPOConfig)
 class GRPO(Algorithm):
-    """Group-relative advantages, the same for every token of a completion; no critic."""
-
-    @classmethod
-    def check_config(cls, cfg: Config) -> str | None:
-        if cfg.rollout.num_generations < 2:
-            return ("config key 'rollout.num_generations': grpo compares completions within a group, "
-                    f"so it needs at least 2 (got {cfg.rollout.num_generations})")
-        return None
+    """Group-relative advantages, the same for every token of a completion; no critic. Rows without a
+    reward value are left out of their group's baseline and get advantage 0."""
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         a = self.cfg.algorithm
-        adv, zero_std = group_advantages(batch.rewards, self.cfg.rollout.num_generations, a.scale,
-                                         a.std_epsilon)  # [R], [groups]
+        adv, zero_std = group_advantages(batch.rewards, batch.group, a.scale, a.std_epsilon,
+                                         valid=batch.reward_valid)  # [R], [groups]
         batch.advantages = adv.unsqueeze(-1) * batch.completion_mask  # [R, T]
         return {"zero_std_frac": float(zero_std.float().mean())}
 
-    def loss(self, out: PolicyOutput, mb: Batch, norm: Norm):
+    def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         return self.policy_loss(out, mb, norm)
 
 
@@ -145,7 +176,8 @@ def token_rewards(batch: Batch, beta: float, kl_in_reward: bool) -> tuple[torch.
     last = (mask.sum(-1).long() - 1).clamp(min=0)  # [R]
     dones = torch.zeros_like(mask)
     dones[torch.arange(batch.rows), last] = 1.0
-    rewards = dones * batch.rewards.unsqueeze(-1)  # [R, T]
+    rewards = dones * batch.rewards.unsqueeze(-1)  # [R, T]  (a row without a reward value carries 0 here;
+    # ActorCritic.advantages gives it advantage 0 and no value target)
     if kl_in_reward and beta > 0:
         rewards = rewards - beta * (batch.old_logps - batch.ref_logps) * mask
     return rewards, dones
@@ -171,17 +203,19 @@ class ActorCritic(Algorithm):
         raise NotImplementedError
 
     def advantages(self, batch: Batch) -> dict[str, float]:
-        a, mask = self.cfg.algorithm, batch.completion_mask
+        a = self.cfg.algorithm
+        valid = batch.reward_valid.float().unsqueeze(-1)  # [R, 1]: rows without a reward value drop out
+        mask = batch.completion_mask * valid  # [R, T]
         rewards, dones = token_rewards(batch, a.beta, a.kl_in_reward)
         adv, ret = self.returns_and_advantages(batch, rewards, dones)
-        batch.returns = ret * mask
+        batch.returns = ret * mask + batch.values * (batch.completion_mask - mask)  # no value error where invalid
         batch.advantages = whiten(adv, mask) if a.whiten_advantages else adv * mask
         return {"value/mean": float(masked_mean(batch.values, mask)),
                 "value/explained_variance": explained_variance(batch.values, batch.returns, mask),
                 "value/error": float(masked_mean((batch.values - batch.returns) ** 2, mask)),
                 "return/mean": float(masked_mean(batch.returns, mask))}
 
-    def critic_terms(self, out: PolicyOutput, mb: Batch, norm: Norm, clip: float | None):
+    def critic_terms(self, out: PolicyOutput, mb: Batch, norm: Normalisers, clip: float | None):
         """vf_coef * value loss - ent_coef * entropy, aggregated like the policy loss, and metrics."""
         a, mask = self.cfg.algorithm, mb.completion_mask
         values = self.critic(out.hidden)  # [r, T]
@@ -197,7 +231,7 @@ class ActorCritic(Algorithm):
         return fields
 
 
-@register_algorithm("ppo")
+@register_algorithm("ppo", PPOConfig)
 class PPO(ActorCritic):
     """PPO on the token MDP: GAE(gamma, lambda), clipped surrogate, clipped value loss, entropy bonus.
 
@@ -208,27 +242,17 @@ class PPO(ActorCritic):
         a = self.cfg.algorithm
         return gae(rewards, batch.values, dones, torch.zeros(batch.rows, device=rewards.device), a.gamma, a.lam)
 
-    def loss(self, out: PolicyOutput, mb: Batch, norm: Norm):
+    def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         policy, metrics = self.policy_loss(out, mb, norm)
         critic, cm = self.critic_terms(out, mb, norm, self.cfg.algorithm.vf_clip)
         return policy + critic, {**metrics, **cm}
 
 
-@register_algorithm("a2c")
+@register_algorithm("a2c", A2CConfig)
 class A2C(ActorCritic):
     """Synchronous advantage actor-critic: n-step returns bootstrapped from the critic, A = R - V,
-    loss = -A * log pi - ent_coef * H + vf_coef * 0.5 * (R - V)^2; no ratio, no clipping, one update."""
-
-    @classmethod
-    def check_config(cls, cfg: Config) -> str | None:
-        if cfg.algorithm.num_iterations != 1:
-            return ("config key 'algorithm.num_iterations': a2c makes a single on-policy update per rollout "
-                    f"(got {cfg.algorithm.num_iterations}); use ppo for several epochs")
-        if cfg.minibatch_rows != cfg.rollout.batch_rows:
-            return (f"config key 'optim.minibatch_size': a2c makes a single update per rollout, so the "
-                    f"minibatch is the whole batch ({cfg.rollout.batch_rows}), got {cfg.minibatch_rows}; "
-                    "use optim.micro_batch_size to bound memory")
-        return None
+    loss = -A * log pi (+ beta * k3 KL) - ent_coef * H + vf_coef * 0.5 * (R - V)^2; no ratio, no
+    clipping, one update."""
 
     def returns_and_advantages(self, batch, rewards, dones):
         a = self.cfg.algorithm
@@ -236,11 +260,15 @@ class A2C(ActorCritic):
                             a.gamma, a.n_steps)
         return ret - batch.values, ret
 
-    def loss(self, out: PolicyOutput, mb: Batch, norm: Norm):
+    def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         a, mask = self.cfg.algorithm, mb.completion_mask
-        policy = aggregate(-mb.advantages * out.logps, mask, a.loss_aggregation, norm)
+        weights, metrics = self.sampler_correction(out.logps, mb)
+        per_token = -mb.advantages * out.logps  # [r, T]
+        if weights is not None:
+            per_token = per_token * weights
+        policy = aggregate(self.kl_term(out, mb, per_token, metrics), mask, a.loss_aggregation, norm)
         critic, cm = self.critic_terms(out, mb, norm, None)
-        metrics = {**cm}
+        metrics.update(cm)
         if out.entropy is not None:
             metrics["entropy"] = float(masked_mean(out.entropy.detach(), mask))
         return policy + critic, metrics

@@ -14,7 +14,7 @@ longest prompt and completion instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -28,13 +28,14 @@ class Batch:
     completion_mask: torch.Tensor  # [R, T] float, 1.0 on completion tokens
     prompt_width: int  # Lp
     rewards: torch.Tensor  # [R]
-    group: torch.Tensor  # [R] long, group index within the step
+    group: torch.Tensor  # [R] long, group index within the step: the one source of truth for groups
+    reward_valid: torch.Tensor  # [R] bool, False when no reward component had a value (kept out of baselines)
+    sampler_logps: torch.Tensor  # [R, T] the sampler's log-prob of each completion token
     advantages: torch.Tensor | None = None  # [R, T]
     old_logps: torch.Tensor | None = None  # [R, T]
     ref_logps: torch.Tensor | None = None  # [R, T]
     values: torch.Tensor | None = None  # [R, T] critic estimates at rollout time
     returns: torch.Tensor | None = None  # [R, T] critic targets
-    extra: dict = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -56,7 +57,7 @@ class Batch:
         start = int(am[:, :lp].sum(0).nonzero().min()) if am[:, :lp].any() else lp
         for k in ("input_ids", "attention_mask"):
             sub[k] = sub[k][:, start:lp + t]
-        for k in ("completion_mask", "advantages", "old_logps", "ref_logps", "values", "returns"):
+        for k in ("completion_mask", "sampler_logps", "advantages", "old_logps", "ref_logps", "values", "returns"):
             if sub[k] is not None:
                 sub[k] = sub[k][:, :t]
         sub["prompt_width"] = lp - start
@@ -68,21 +69,30 @@ class Batch:
 
 
 def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], rewards: list[float],
-                group: list[int], pad_id: int) -> Batch:
+                group: list[int], pad_id: int, sampler_logps: list[list[float]] | None = None,
+                reward_valid: list[bool] | None = None) -> Batch:
+    """Pad rows into a Batch. Groups must be contiguous and numbered 0, 1, ... in order (asserted here,
+    once: the shared-prompt forward and the advantage estimators read `group` and nothing else)."""
+    if any(b not in (a, a + 1) for a, b in zip([-1] + group[:-1], group)) or (group and group[0] != 0):
+        raise ValueError(f"rows must come in contiguous groups numbered 0, 1, ...; got {group}")
     lp = max(map(len, prompt_ids))
     t = max(1, max(map(len, completion_ids)))
     r = len(prompt_ids)
     ids = torch.full((r, lp + t), pad_id, dtype=torch.long)  # [R, Lp + T]
     att = torch.zeros((r, lp + t), dtype=torch.long)  # [R, Lp + T]
     cmask = torch.zeros((r, t))  # [R, T]
+    slogps = torch.zeros((r, t))  # [R, T]
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         ids[i, lp - len(p):lp] = torch.tensor(p)
         att[i, lp - len(p):lp + len(c)] = 1
         if c:
             ids[i, lp:lp + len(c)] = torch.tensor(c)
             cmask[i, :len(c)] = 1.0
+            if sampler_logps is not None:
+                slogps[i, :len(c)] = torch.tensor(sampler_logps[i])
+    valid = torch.ones(r, dtype=torch.bool) if reward_valid is None else torch.tensor(reward_valid, dtype=torch.bool)
     return Batch(ids, att, cmask, lp, torch.tensor(rewards, dtype=torch.float32),
-                 torch.tensor(group, dtype=torch.long))
+                 torch.tensor(group, dtype=torch.long), valid, slogps)
 
 
 @dataclass

@@ -103,7 +103,7 @@ def cmd_config(args) -> int:
     from .config import explain, load_config
 
     if args.explain:
-        print(explain())
+        print(explain(load_config(args.config, args.overrides)))
         return 0
     import yaml
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from .audit import AuditError
     from .config import ConfigError
     from .data import DataError
-    from .trainer import TrainingError
+    from .errors import ModelError, TrainingError
 
     try:
         if args.command == "train":
@@ -183,6 +183,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return cmd_config(args)
         return cmd_audit(args)
-    except (ConfigError, DataError, AuditError, TrainingError, RewardError, FileNotFoundError) as e:
+    except (ConfigError, DataError, AuditError, TrainingError, ModelError, RewardError, FileNotFoundError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
         return 2

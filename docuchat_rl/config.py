@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .algorithm_configs import ALGORITHM_CONFIGS, AlgorithmConfig, GRPOConfig
 from .data import DEFAULT_SYSTEM_PROMPT
 
 
@@ -39,6 +40,8 @@ class ModelConfig(Section):
     """Torch device (auto, cpu, cuda, cuda:1, ...)."""
     trust_remote_code: bool = False
     """Run model code shipped with a hub repository (off unless you trust it)."""
+    disable_dropout: bool = True
+    """Turn the base model's dropout off (rollouts sample in eval mode; updates must score the same function)."""
 
 
 class LoraConfig(Section):
@@ -100,52 +103,17 @@ class RolloutConfig(Section):
     """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate."""
     merge_adapter: bool = True
     """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged."""
+    correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
+    """Importance-weight the loss by pi_train/pi_sampler per token or per sequence, clamped (truncate) or zeroed (mask) outside [correction_min, correction_max]."""
+    correction_min: float = Field(0.0, ge=0)
+    """Lower bound C_min of the sampler correction's ratio."""
+    correction_max: float = Field(2.0, gt=0)
+    """Upper bound C_max of the sampler correction's ratio."""
 
     @property
     def batch_rows(self) -> int:
         """Completions per step (P * G)."""
         return self.prompts_per_step * self.num_generations
-
-
-class AlgorithmConfig(Section):
-    name: str = "grpo"
-    """Registered algorithm (grpo; see `docuchat-rl config --algorithms`)."""
-    scale: Literal["group", "batch", "none"] = "group"
-    """Advantage scaling: divide by the group's std, the batch's std, or not at all (Dr. GRPO)."""
-    loss_aggregation: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """grpo: mean of per-sequence token means; dapo: mean over all tokens; dr_grpo: sum / (rows * max_new_tokens)."""
-    ratio_level: Literal["token", "sequence"] = "token"
-    """Importance ratio per token, or per sequence as the exp of the mean token log-ratio (GSPO)."""
-    epsilon_low: float = Field(0.2, ge=0)
-    """Lower clip range: ratios below 1 - epsilon_low are clipped."""
-    epsilon_high: float = Field(0.2, ge=0)
-    """Upper clip range: ratios above 1 + epsilon_high are clipped (DAPO clip-higher uses 0.28)."""
-    beta: float = Field(0.0, ge=0)
-    """KL penalty weight against the reference (adapter-disabled) model, k3 estimator; 0 skips it."""
-    num_iterations: int = Field(1, ge=1)
-    """Policy updates (mu) per rollout, all against the log-probs recorded at rollout time."""
-    std_epsilon: float = Field(1e-4, gt=0)
-    """Added to the std before dividing the advantages."""
-    gamma: float = Field(1.0, ge=0, le=1)
-    """PPO/A2C: discount per completion token (1 = undiscounted, the usual choice for LMs)."""
-    lam: float = Field(0.95, ge=0, le=1)
-    """PPO: GAE lambda."""
-    n_steps: int | None = Field(None, ge=1)
-    """A2C: bootstrap from the critic after n tokens (null: return to the end of the completion)."""
-    whiten_advantages: bool = True
-    """PPO/A2C: normalise advantages to mean 0, std 1 over the batch's tokens."""
-    vf_coef: float = Field(0.5, ge=0)
-    """PPO/A2C: weight of the value loss."""
-    vf_clip: float | None = Field(0.2, gt=0)
-    """PPO: clip range of the value update around the rollout-time value (null: unclipped)."""
-    ent_coef: float = Field(0.0, ge=0)
-    """PPO/A2C: weight of the entropy bonus (0 skips the entropy gradient, which costs a full softmax)."""
-    kl_in_reward: bool = False
-    """PPO/A2C: subtract beta * (log pi_old - log pi_ref) from each token's reward instead of a KL loss."""
-    critic_gain: float = Field(0.01, gt=0)
-    """PPO/A2C: orthogonal-init gain of the value head (small, so initial values are near 0)."""
-    critic_backbone: Literal["shared", "separate"] = "shared"
-    """PPO/A2C: the value head reads the policy adapter's hidden states (shared) or its own LoRA adapter's (separate)."""
 
 
 class RewardSpec(Section):
@@ -263,7 +231,7 @@ class Config(Section):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=GRPOConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -273,6 +241,14 @@ class Config(Section):
     @property
     def minibatch_rows(self) -> int:
         return self.optim.minibatch_size or self.rollout.batch_rows
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_algorithm(cls, raw):
+        """`algorithm.name` selects the algorithm's config model; a section without it means grpo."""
+        if isinstance(raw, dict) and isinstance(raw.get("algorithm"), dict) and "name" not in raw["algorithm"]:
+            raw = {**raw, "algorithm": {"name": "grpo", **raw["algorithm"]}}
+        return raw
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
@@ -286,6 +262,13 @@ class Config(Section):
         if self.rollout.min_new_tokens > self.rollout.max_new_tokens:
             raise ValueError(f"rollout.min_new_tokens: {self.rollout.min_new_tokens} is more than "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
+        r = self.rollout
+        if r.correction_min >= r.correction_max:
+            raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
+                             f"({r.correction_max})")
+        problem = self.algorithm.check(self)
+        if problem:
+            raise ValueError(problem)
         return self
 
     def to_dict(self) -> dict:
@@ -295,8 +278,18 @@ class Config(Section):
 def _one_line(err: ValidationError) -> str:
     """The first pydantic error as 'key: message' (pydantic's own report is several lines)."""
     e = err.errors()[0]
-    key = ".".join(str(p) for p in e["loc"])
+    loc = tuple(e["loc"])
+    if loc[:1] == ("algorithm",) and len(loc) > 1 and loc[1] in ALGORITHM_CONFIGS:
+        algo, loc = loc[1], loc[:1] + loc[2:]  # the union's tag is not part of the key
+        if e["type"] == "extra_forbidden":
+            allowed = ", ".join(sorted(ALGORITHM_CONFIGS[algo].model_fields))
+            return (f"config key 'algorithm.{'.'.join(map(str, loc[1:]))}' does not apply to algorithm "
+                    f"{algo!r}; its keys are: {allowed}")
+    key = ".".join(str(p) for p in loc)
     msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "union_tag_invalid":
+        return (f"config key '{key}.name': unknown algorithm {e['ctx']['tag']!r}; "
+                f"valid: {', '.join(sorted(ALGORITHM_CONFIGS))}")
     if e["type"] == "extra_forbidden":
         parent = _model_at(e["loc"][:-1])
         allowed = sorted(parent.model_fields) if parent else []
@@ -397,31 +390,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _check_registries(cfg: Config) -> None:
-    """Names that live in registries (algorithms, rewards) and what each algorithm demands."""
+    """Reward names live in a registry (or are dotted paths): each must resolve."""
     from rewards import RewardError, resolve_reward
 
-    from .algorithms import get_algorithm_class
-
-    try:
-        algo = get_algorithm_class(cfg.algorithm.name)
-    except KeyError as e:
-        raise ConfigError(f"config key 'algorithm.name': {e.args[0]}") from None
     for i, spec in enumerate(cfg.rewards.components):
         try:
             resolve_reward(spec.name)
         except RewardError as e:
             raise ConfigError(f"config key 'rewards.components.{i}.name': {e}") from None
-    problem = algo.check_config(cfg)
-    if problem:
-        raise ConfigError(problem)
 
 
-def explain() -> str:
-    """Every key with its type, default and doc, section by section (for `docuchat-rl config --explain`)."""
+def explain(cfg: Config | None = None) -> str:
+    """Every key with its type, default and doc, section by section (for `docuchat-rl config --explain`);
+    the algorithm section lists the keys of `cfg`'s algorithm (grpo by default)."""
+    cfg = cfg or Config()
     lines = []
     for section, field in Config.model_fields.items():
-        model = field.annotation
-        lines.append(f"{section}:")
+        model = type(getattr(cfg, section))
+        others = sorted(set(ALGORITHM_CONFIGS) - {cfg.algorithm.name}) if section == "algorithm" else []
+        lines.append(f"{section}:" + (f"  # keys of {cfg.algorithm.name}; see also --set algorithm.name="
+                                      f"{'|'.join(others)}" if others else ""))
         for name, f in model.model_fields.items():
             default = f.get_default(call_default_factory=True)
             if isinstance(default, list) and default and isinstance(default[0], BaseModel):

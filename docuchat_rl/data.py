@@ -1,19 +1,22 @@
 """Prompt/answer data: one loader on top of `datasets` for hub names and local JSONL/CSV/Parquet files.
 
 A data set is any table with a prompt column and an answer column (names set in config). GSM8K-style
-answers ("... #### 72") are reduced to their final answer for scoring; the full text stays available as
-`answer_text` for supervised targets. Prompts are rendered through the tokenizer's chat template with the
-configured system prompt.
+answers ("... #### 72") are reduced to their final answer for scoring by `rewards.correctness.gold_of`,
+the one rule used everywhere. Prompts are rendered through the tokenizer's chat template with the
+configured system prompt. `PromptSampler` gives the data order (epoch-wise permutations).
 
 Deliberately left out: streaming data sets and multi-turn prompts (one user turn per prompt).
 """
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rewards.correctness import gold_of
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the problem. Think step by step inside <think> </think>, "
@@ -21,27 +24,10 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 _CALC = re.compile(r"<<[^>]*>>")
-_HASHES = re.compile(r"####\s*(.+?)\s*$", re.S)
 
 
 class DataError(ValueError):
     """A data set that cannot be used: the message names the file, split or column at fault."""
-
-
-def gsm8k_gold(answer: str) -> str:
-    """The final answer of a GSM8K answer text (after '####', commas removed); other text unchanged.
-
-    >>> gsm8k_gold("4 + 3 = <<4+3=7>>7\\n#### 7")
-    '7'
-    >>> gsm8k_gold("#### 1,000")
-    '1000'
-    >>> gsm8k_gold("Paris")
-    'Paris'
-    """
-    m = _HASHES.search(answer)
-    if not m:
-        return answer.strip()
-    return m.group(1).replace(",", "").strip()
 
 
 def reasoning_target(answer: str) -> str:
@@ -52,7 +38,7 @@ def reasoning_target(answer: str) -> str:
     """
     body = answer.split("####")[0]
     lines = [_CALC.sub("", line).strip() for line in body.strip().splitlines() if line.strip()]
-    return "<think>\n" + "\n".join(lines) + "\n</think>\n<answer>" + gsm8k_gold(answer) + "</answer>"
+    return "<think>\n" + "\n".join(lines) + "\n</think>\n<answer>" + (gold_of(answer) or "") + "</answer>"
 
 
 def render_prompt(tokenizer: Any, question: str, system_prompt: str | None) -> str:
@@ -71,8 +57,7 @@ class Example:
 
     prompt_id: int  # row index in the (unshuffled) split
     question: str
-    answer: str  # the gold final answer used for scoring
-    answer_text: str  # the full answer column
+    answer: str  # the gold final answer used for scoring ("" when the row has none)
     columns: dict = field(default_factory=dict)  # the row's other columns, passed on to the rewards
 
 
@@ -124,5 +109,48 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
             raise DataError(f"{source}: row {i} has an empty {prompt_column!r}")
         a = "" if a is None else str(a)
         extra = {k: v for k, v in row.items() if k not in (prompt_column, answer_column)}
-        out.append(Example(prompt_id=i, question=str(q), answer=gsm8k_gold(a), answer_text=a, columns=extra))
+        out.append(Example(prompt_id=i, question=str(q), answer=gold_of(a) or "", columns=extra))
     return out
+
+
+def reward_inputs(examples: list[Example], completion_tokens: list[int], truncated: list[bool]) -> dict[str, list]:
+    """The keyword columns every reward receives, one entry per completion (examples repeated per
+    completion): the data set's other columns, then ours, which win a name clash: `answer` (the gold
+    final answer), `completion_tokens`, `truncated` and `prompt_id`. Built here only, for training and
+    evaluation alike.
+
+    >>> ex = [Example(0, "Q", "4", {"level": 2, "answer": "ignored"})]
+    >>> reward_inputs(ex, [5], [False])
+    {'level': [2], 'answer': ['4'], 'completion_tokens': [5], 'truncated': [False], 'prompt_id': [0]}
+    """
+    keys = list(dict.fromkeys(k for e in examples for k in e.columns))
+    columns = {k: [e.columns.get(k) for e in examples] for k in keys}
+    columns.update(answer=[e.answer for e in examples], completion_tokens=list(completion_tokens),
+                   truncated=list(truncated), prompt_id=[e.prompt_id for e in examples])
+    return columns
+
+
+class PromptSampler:
+    """Epoch-wise permutations of the data set from (seed, epoch): its whole state is two integers."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, position: int = 0):
+        self.n, self.seed, self.epoch, self.position = n, seed, epoch, position
+        self._order = self._perm()
+
+    def _perm(self) -> list[int]:
+        order = list(range(self.n))
+        random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
+        return order
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._perm()
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}

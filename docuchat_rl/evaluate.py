@@ -4,6 +4,8 @@ Accuracy is the raw score of the `rewards.accuracy_component` reward (correctnes
 greedy completion; the format rate is the share of greedy completions with a format score of 1 when a
 `format` component is configured (strict format otherwise). pass@k is the share of prompts with at least
 one correct completion among k samples (k samples per prompt, so the unbiased estimator is this share).
+The rewards receive the same inputs as in training (`data.reward_inputs`: the data set's columns,
+answer, completion_tokens, truncated, prompt_id), so a custom reward that reads a column scores here too.
 
 Deliberately left out: majority voting (maj@k) and per-difficulty breakdowns.
 """
@@ -22,6 +24,7 @@ from .config import Config
 from .data import Example, load_examples, render_prompt
 from .generation import generate
 from .modeling import merged_adapter
+from .rollout import score
 
 
 def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None) -> dict:
@@ -51,8 +54,7 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
         gen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False,
                        batch_size=e.batch_size, engine=engine)
     texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-    res = reward([x.question for x in examples], texts, answer=[x.answer for x in examples],
-                 completion_tokens=[len(c) for c in gen.completion_ids], truncated=gen.truncated)
+    res = score(reward, examples, texts, gen)
     out: dict = {"rows": len(examples), "max_new_tokens": max_new}
     for name in reward.names:
         vals = [r.components[name].raw for r in res.records if r.components[name].raw is not None]
@@ -70,9 +72,7 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
                             batch_size=e.batch_size, num_return_sequences=e.pass_k, engine=engine)
         stexts = tokenizer.batch_decode(sgen.completion_ids, skip_special_tokens=True)
         k = e.pass_k
-        sres = reward([x.question for x in examples for _ in range(k)], stexts,
-                      answer=[x.answer for x in examples for _ in range(k)],
-                      completion_tokens=[len(c) for c in sgen.completion_ids], truncated=sgen.truncated)
+        sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
         hits = np.array([r.components[acc_name].raw or 0.0 for r in sres.records]).reshape(-1, k)
         out[f"pass@{k}"] = float((hits.max(axis=1) > 0).mean())
         out[f"mean@{k}"] = float(hits.mean())

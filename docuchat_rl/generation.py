@@ -1,16 +1,19 @@
 """Batched sampling from a causal LM: left-padded prompts, KV cache, stop at EOS.
 
-Returns completion token ids with their lengths and a truncated flag (no EOS before max_new_tokens). The
-completion ids are exactly the sampled ids: nothing is re-tokenised downstream, so token boundaries never
-shift between rollout and update.
+Returns completion token ids with their lengths, a truncated flag (no EOS before max_new_tokens) and the
+sampler's own log-prob of every token (under the distribution it was drawn from, after temperature,
+top-k and top-p). The completion ids are exactly the sampled ids: nothing is re-tokenised downstream, so
+token boundaries never shift between rollout and update. Only the processors the caller names shape the
+distribution (transformers' own warpers); a model's generation_config adds none. This is the contract
+any rollout engine must meet: the trainer compares its log-probs with the sampler's.
 
 Two engines, the same contract:
 - `fast` (default): our own decode loop. Each distinct prompt is prefilled once and its keys/values are
   copied to its G samples (`transformers.generate` prefills every copy); decoding writes into
   preallocated static buffers instead of concatenating a growing cache every token, and attends only to
   their filled part; logits are computed for the last position only and sampled with one uniform per
-  row through the CDF (drawing a random number per vocabulary entry, as `multinomial` and the Gumbel or
-  exponential tricks do, cost more than a layer of the embedded model); it stops as soon as every row
+  row through the float64 CDF (drawing a random number per vocabulary entry, as `multinomial` and the
+  Gumbel or exponential tricks do, costs more than a layer of the embedded model); it stops as soon as every row
   has ended. Hand-written because `generate` offers none of this for sampling. Models whose cache is
   not plain full attention (sliding windows, linear attention) keep a growing cache, repeated per sample.
 - `hf`: `transformers.generate`, for anything the fast loop does not cover.
@@ -21,6 +24,7 @@ steps (compilation takes longer than a whole run of the embedded default on a CP
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +35,13 @@ class Generation:
     prompt_ids: list[list[int]]  # per prompt row, unpadded
     completion_ids: list[list[int]]  # per row, unpadded, EOS included when emitted
     truncated: list[bool]  # True when no EOS was produced within max_new_tokens
-    n_tokens: int  # completion tokens generated in all
+    logps: list[list[float]]  # per row: each completion token's log-prob under the distribution it was drawn from
+
+
+@dataclass
+class Draw:
+    tokens: torch.Tensor  # [R] long
+    logps: torch.Tensor  # [R] float32: log-prob of each token under the (warped) distribution it was drawn from
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -43,37 +53,53 @@ def eos_ids(model, tokenizer) -> list[int]:
     return ids
 
 
-def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (nucleus), in `transformers`' order and with its tie rules.
+def warpers(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list:
+    """transformers' own temperature, top-k and top-p processors, in `generate`'s order; exactly the
+    ones the config names (a model's generation_config never adds any)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-    [R, V] -> [R, V] with removed tokens at -inf. At least one token always survives.
-
-    >>> warp_logits(torch.tensor([[0.0, 1.0, 2.0, 3.0]]), top_k=2).isinf().tolist()
-    [[True, True, False, False]]
-    """
-    logits = logits / temperature if temperature != 1.0 else logits
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [R, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    out = []
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        out.append(TopKLogitsWarper(top_k))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending, [R, V]
-        cum = sorted_logits.softmax(-1).cumsum(-1)  # [R, V]
-        drop = cum <= 1 - top_p
-        drop[..., -1] = False  # keep the most likely token
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits
+        out.append(TopPLogitsWarper(top_p))
+    return out
 
 
-def sample(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0) -> torch.Tensor:
-    """One token per row from last-position logits [R, V] -> [R] (greedy when not `do_sample`)."""
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token drawn by each uniform: the first index whose cumulative probability exceeds u.
+
+    probs [R, V] float64, u [R, K] in [0, 1) float64 -> [R, K]. Float64 throughout: near a CDF value of 1
+    a float32 step is 6e-8, so with a 150k vocabulary most tail tokens would get a zero (never drawn) or
+    a one-ulp step; in float64 every token's interval is its probability to ~1e-16. A zero-probability
+    token has an empty interval and is never chosen.
+
+    >>> inverse_cdf(torch.tensor([[0.5, 0.0, 0.5]], dtype=torch.float64), torch.tensor([[0.2, 0.7]], dtype=torch.float64))
+    tensor([[0, 2]])
+    """
+    cdf = probs.cumsum(-1)  # [R, V]
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)  # [R, K]
+
+
+def sample(logits: torch.Tensor, do_sample: bool, processors: list | None = None) -> Draw:
+    """One token per row from last-position logits [R, V] (greedy when not `do_sample`), with its log-prob.
+
+    Sampling applies `processors` (see `warpers`) and draws with one uniform per row through the
+    float64 CDF (a draw per vocabulary entry, as `multinomial` and the Gumbel trick do, costs more than a
+    layer of the embedded model). The log-prob is the sampler's own: under the warped distribution.
+    """
+    logits = logits.float()
     if not do_sample:
-        return logits.argmax(-1)
-    cdf = warp_logits(logits.float(), temperature, top_k, top_p).softmax(-1).cumsum(-1)  # [R, V]
-    # inverse-CDF draw: one uniform per row (a draw per vocabulary entry costs more than the model here);
-    # the first index whose CDF exceeds u, so a zero-probability token (flat CDF step) is never chosen
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # [R, 1]
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=cdf.shape[-1] - 1)  # [R]
+        tokens = logits.argmax(-1)  # [R]
+        return Draw(tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
+    for proc in processors or []:
+        logits = proc(None, logits)  # [R, V], removed tokens at -inf
+    probs = logits.double().softmax(-1)  # [R, V] float64
+    u = torch.rand(probs.shape[0], 1, device=probs.device, dtype=torch.float64)  # [R, 1]
+    tokens = inverse_cdf(probs, u).squeeze(-1)  # [R]
+    return Draw(tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log().float())
 
 
 def _filled_static_layer():
@@ -118,8 +144,9 @@ def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):
 
 
 def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
-                temperature, top_p, top_k, stop, pad) -> torch.Tensor:
-    """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts."""
+                processors, stop, pad) -> tuple[torch.Tensor, torch.Tensor]:
+    """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
+    and the sampler's log-prob of each [same shape]."""
     from .batch import position_ids
 
     u, lp = input_ids.shape
@@ -133,19 +160,39 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
     next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
     stop_t = torch.tensor(stop, device=input_ids.device)
     done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # [R]
-    tokens = []
+    tokens, logps = [], []
     for t in range(max_new_tokens):
         if t < min_new_tokens:  # no EOS yet, as transformers' MinNewTokensLengthLogitsProcessor
             logits = logits.index_fill(-1, stop_t, float("-inf"))
-        nxt = sample(logits, do_sample, temperature, top_k, top_p).masked_fill(done, pad)  # [R]
+        draw = sample(logits, do_sample, processors)
+        nxt = draw.tokens.masked_fill(done, pad)  # [R]
         tokens.append(nxt)
+        logps.append(draw.logps)
         done |= torch.isin(nxt, stop_t)
         if t == max_new_tokens - 1 or bool(done.all()):
             break
         out = model(input_ids=nxt[:, None], attention_mask=mask[:, :lp + t + 1], position_ids=next_pos + t,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]  # [R, V]
-    return torch.stack(tokens, 1)  # [R, steps]
+    return torch.stack(tokens, 1), torch.stack(logps, 1)  # [R, steps], [R, steps]
+
+
+@contextlib.contextmanager
+def _plain_generation_config(model):
+    """`generate` fills every processor setting left unset from the model's generation_config (a
+    Qwen2.5-Instruct checkpoint ships repetition_penalty 1.05 and top_k 20), so that config would add
+    processors the trainer never scores. Swap in one holding only the special tokens for the call."""
+    from transformers import GenerationConfig
+
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    original = target.generation_config
+    target.generation_config = GenerationConfig(eos_token_id=original.eos_token_id,
+                                                bos_token_id=original.bos_token_id,
+                                                pad_token_id=original.pad_token_id)
+    try:
+        yield
+    finally:
+        target.generation_config = original
 
 
 @torch.no_grad()
@@ -153,42 +200,78 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0) -> Generation:
     """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
-    `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks)."""
+    `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only temperature, top-k and
+    top-p shape the distribution, whatever the model's generation_config says."""
     if engine not in ("fast", "hf"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf")
     stop = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     device = next(model.parameters()).device
-    all_prompt, all_comp, all_trunc, n_tok = [], [], [], 0
+    processors = warpers(temperature, top_k, top_p) if do_sample else []
+    out = Generation([], [], [], [])
     per_call = max(1, batch_size // num_return_sequences)
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start:start + per_call]
         enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(device)
         if engine == "fast":
-            new = _fast_chunk(model, enc["input_ids"], enc["attention_mask"], repeats=num_return_sequences,
-                              max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                              do_sample=do_sample, temperature=temperature,
-                              top_p=top_p, top_k=top_k, stop=stop, pad=pad).tolist()
+            new, logps = _fast_chunk(model, enc["input_ids"], enc["attention_mask"], repeats=num_return_sequences,
+                                     max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                     do_sample=do_sample, processors=processors, stop=stop, pad=pad)
         else:
-            kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad,
-                          eos_token_id=stop, num_return_sequences=num_return_sequences)
-            if min_new_tokens:
-                kwargs.update(min_new_tokens=min_new_tokens)
-            if do_sample:
-                kwargs.update(temperature=temperature, top_p=top_p, top_k=top_k)
-            else:  # silence sampling defaults a model's generation_config may carry
-                kwargs.update(temperature=None, top_p=None, top_k=None)
-            out = model.generate(**enc, **kwargs)  # [rows * num_return, prompt_len + new]
-            new = out[:, enc["input_ids"].shape[1]:].tolist()
-        mask = enc["attention_mask"].tolist()
+            new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
+                                   min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,
+                                   processors=processors, stop=stop, pad=pad)
+        new, logps, mask = new.tolist(), logps.tolist(), enc["attention_mask"].tolist()
         for r, row in enumerate(new):
             src = r // num_return_sequences
-            ids = enc["input_ids"][src][[bool(m) for m in mask[src]]].tolist()
             cut = next((i for i, t in enumerate(row) if t in stop), None)
-            comp = row if cut is None else row[:cut + 1]
-            all_prompt.append(ids)
-            all_comp.append(comp)
-            all_trunc.append(cut is None)
-            n_tok += len(comp)
-    return Generation(all_prompt, all_comp, all_trunc, n_tok)
+            n = len(row) if cut is None else cut + 1
+            out.prompt_ids.append(enc["input_ids"][src][[bool(m) for m in mask[src]]].tolist())
+            out.completion_ids.append(row[:n])
+            out.logps.append(logps[r][:n])
+            out.truncated.append(cut is None)
+    return out
+
+
+class _LogpRecorder:
+    """A last logits processor for `generate`: keeps the processed distribution of the current step and,
+    one step later (when the drawn token is in input_ids), the drawn token's log-prob. Holds one
+    [rows, V] tensor at a time, where `output_scores` would keep every step's (gigabytes at V = 150k)."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len, self.last, self.logps = prompt_len, None, []
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.logps.append(self.last.gather(-1, tokens[:, None]).squeeze(-1))  # [rows]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self._take(input_ids[:, -1])
+        self.last = torch.log_softmax(scores.float(), -1)  # [rows, V]
+        return scores
+
+    def finish(self, new: torch.Tensor) -> torch.Tensor:
+        """The log-probs [rows, steps] of the new ids [rows, steps]."""
+        if self.last is not None and len(self.logps) < new.shape[1]:
+            self._take(new[:, len(self.logps)])
+        return torch.stack(self.logps, 1) if self.logps else new.new_zeros(new.shape, dtype=torch.float32)
+
+
+def _hf_chunk(model, enc, *, do_sample, max_new_tokens, min_new_tokens, num_return_sequences, processors,
+              stop, pad) -> tuple[torch.Tensor, torch.Tensor]:
+    """`transformers.generate` with only our processors: new ids [rows, steps] and the sampler's log-probs
+    (log-softmax of the processed scores at each drawn token) [rows, steps]. The warpers go in as custom
+    processors (generate puts custom ones before its own, so the recorder could not follow its warpers)."""
+    from transformers import LogitsProcessorList
+
+    recorder = _LogpRecorder(enc["input_ids"].shape[1])
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad, eos_token_id=stop,
+                  num_return_sequences=num_return_sequences, temperature=None, top_p=None, top_k=None,
+                  logits_processor=LogitsProcessorList([*processors, recorder]))
+    if min_new_tokens:
+        kwargs.update(min_new_tokens=min_new_tokens)
+    with _plain_generation_config(model):
+        out = model.generate(**enc, **kwargs)  # [rows, prompt_len + steps]
+    new = out[:, enc["input_ids"].shape[1]:]  # [rows, steps]
+    return new, recorder.finish(new)

@@ -33,9 +33,39 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
-    """k3 estimator of KL(pi || ref) per token: exp(ref - pi) - (ref - pi) - 1, >= 0, 0 when equal. [R, T]"""
+    """k3 estimator of KL(pi || ref) per token for tokens sampled from pi: exp(ref - pi) - (ref - pi) - 1,
+    >= 0, 0 when equal. [R, T]
+
+    For tokens sampled from pi_old, KL(pi_old || pi) is `k3_kl(old, new)` = (rho - 1) - log rho with
+    rho = pi / pi_old; `k3_kl(new, old)` would estimate a chi-square-like divergence instead.
+    """
     d = ref_logps - logps  # [R, T]
     return torch.exp(d) - d - 1.0
+
+
+def sampler_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str,
+                    low: float, high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Importance weights pi_train / pi_sampler correcting for tokens drawn from another distribution
+    (top-k/top-p truncation, another engine's numerics), no grad.
+
+    mode: token_truncate (each token's ratio clamped to [low, high]), token_mask (tokens outside get 0),
+    sequence_truncate / sequence_mask (the same on the sequence ratio exp(sum of token log-ratios),
+    applied to every token of the row). logps, sampler_logps, mask [R, T]
+    -> (weights [R, T], capped [R, T] bool: where the ratio fell outside [low, high])
+    """
+    log_w = (logps.detach() - sampler_logps) * mask  # [R, T]
+    if mode.startswith("sequence"):
+        log_w = log_w.sum(-1, keepdim=True).expand_as(mask)  # [R, T]
+    w = log_w.clamp(max=80.0).exp()  # [R, T]; exp(80) is already far outside any cap
+    capped = ((w < low) | (w > high)) & (mask > 0)
+    if mode.endswith("truncate"):
+        w = w.clamp(low, high)
+    elif mode.endswith("mask"):
+        w = w.masked_fill(capped, 0.0)
+    else:
+        raise ValueError(f"unknown correction mode {mode!r}; valid: token_truncate, token_mask, "
+                         "sequence_truncate, sequence_mask")
+    return w * mask, capped
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -43,19 +73,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Norm:
-    """Normalisers of the whole minibatch a micro-batch belongs to."""
+class Normalisers:
+    """The loss normalisers of the whole minibatch a micro-batch belongs to."""
 
     rows: int  # completions in the minibatch
     tokens: float  # real completion tokens in the minibatch
     max_new_tokens: int  # the configured completion length (Dr. GRPO's constant)
 
 
-def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Norm) -> torch.Tensor:
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalisers) -> torch.Tensor:
     """Reduce a per-token loss [R, T] to a scalar, as one micro-batch's share of the minibatch loss.
 
     grpo: mean over sequences of each sequence's token mean; dapo: mean over all tokens;
-    dr_grpo: token sum / (rows * max_new_tokens); seq_sum: mean over sequences of token sums.
+    dr_grpo: token sum / (rows * max_new_tokens).
     """
     masked = per_token * mask  # [R, T]
     if mode == "grpo":
@@ -64,9 +94,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Norm
         return masked.sum() / max(norm.tokens, 1.0)
     if mode == "dr_grpo":
         return masked.sum() / (norm.rows * norm.max_new_tokens)
-    if mode == "seq_sum":
-        return masked.sum() / norm.rows
-    raise ValueError(f"unknown loss aggregation {mode!r}; valid: grpo, dapo, dr_grpo, seq_sum")
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: grpo, dapo, dr_grpo")
 
 
 def log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:

@@ -48,12 +48,20 @@ EXTRACTORS = {
 
 
 def gold_of(answer: Any) -> str | None:
-    """The gold final answer: text after '####' for GSM8K-style answers; None when empty."""
+    """The gold final answer, the one rule for training data, evaluation and this reward: the text after
+    the last '####' of a GSM8K-style answer with thousands separators removed, else the stripped text;
+    None when empty.
+
+    >>> gold_of("Natalia sold 48/2 = <<48/2=24>>24 clips.\\n#### 72"), gold_of("#### 1,000"), gold_of("Paris")
+    ('72', '1000', 'Paris')
+    >>> gold_of("  "), gold_of(None)
+    (None, None)
+    """
     if answer is None:
         return None
     text = str(answer)
     if "####" in text:
-        text = text.split("####")[-1]
+        text = _THOUSANDS.sub("", text.split("####")[-1])
     text = text.strip()
     return text or None
 
@@ -65,13 +73,20 @@ def normalise(text: str) -> str:
     return " ".join(text.split())
 
 
+_LATEX = re.compile(r"[\\^_{}]")  # a backslash command, a power, a subscript or braces: LaTeX, not plain math
+
+
 @lru_cache(maxsize=4096)
 def _parse(text: str) -> tuple:
     from math_verify import parse
 
+    text = _THOUSANDS.sub("", text)
+    if "$" not in text and _LATEX.search(text):
+        # math-verify reads LaTeX only between delimiters: bare "2^{3}" parses as 2 and "2 \cdot 4" as 4
+        text = f"${text}$"
     # Timeouts off: math-verify's use signal.alarm, which fails outside the main thread; the
     # composite reward enforces its own per-call time limit instead.
-    return tuple(parse(_THOUSANDS.sub("", text), parsing_timeout=None))
+    return tuple(parse(text, parsing_timeout=None))
 
 
 def equivalent(gold: str, pred: str) -> tuple[bool, str]:

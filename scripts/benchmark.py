@@ -44,7 +44,7 @@ def peak_rss_mb() -> float:
 
 def prompt_order(n_rows: int, a) -> list[int]:
     """The row order our trainer samples in (seed 0), so TRL can be fed the same prompts step by step."""
-    from docuchat_rl.trainer import PromptSampler
+    from docuchat_rl.data import PromptSampler
 
     sampler = PromptSampler(n_rows, seed=0)
     return [i for _ in range(a.steps) for i in sampler.take(a.prompts)]

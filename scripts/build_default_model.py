@@ -33,7 +33,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tokenizers import AddedToken
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, gsm8k_gold, reasoning_target, render_prompt
+from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, reasoning_target, render_prompt
+from rewards.correctness import gold_of
 from docuchat_rl.generation import generate
 from docuchat_rl.synthetic import make_split, make_task
 
@@ -73,7 +74,7 @@ def answer_only_target(answer: str) -> str:
     >>> answer_only_target("4 + 3 = <<4+3=7>>7\\n#### 7")
     '<think>\\n</think>\\n<answer>7</answer>'
     """
-    return "<think>\n</think>\n<answer>" + gsm8k_gold(answer) + "</answer>"
+    return "<think>\n</think>\n<answer>" + gold_of(answer) + "</answer>"
 
 
 def num_steps(p) -> int:
@@ -116,7 +117,7 @@ def greedy_report(model, tok, problems, system_prompt, max_new_tokens=96) -> dic
     correct = fmt = 0
     for p, t in zip(problems, texts):
         m = _ANSWER.search(t)
-        ok = bool(m and m.group(1).strip() == gsm8k_gold(p.answer))
+        ok = bool(m and m.group(1).strip() == gold_of(p.answer))
         fmt += bool(m and t.strip().startswith("<think>"))
         correct += ok
         row = by.setdefault(num_steps(p), [0, 0, 0])

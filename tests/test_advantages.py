@@ -6,6 +6,10 @@ import torch
 from docuchat_rl.advantages import group_advantages
 
 
+def _groups(n, g):
+    return torch.arange(n) // g  # contiguous groups of g
+
+
 def _reference(rewards, g, scale, eps):
     out, zero = [], []
     all_std = statistics.stdev(rewards)
@@ -21,7 +25,7 @@ def _reference(rewards, g, scale, eps):
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
 def test_group_advantages_match_reference(scale):
     rewards = [1.0, 0.0, 0.0, 1.0, 0.2, 0.2, 0.2, 0.2, 1.2, 0.0, 0.2, 0.0]
-    adv, zero = group_advantages(torch.tensor(rewards), 4, scale, 1e-4)
+    adv, zero = group_advantages(torch.tensor(rewards), _groups(12, 4), scale, 1e-4)
     ref, ref_zero = _reference(rewards, 4, scale, 1e-4)
     assert adv.tolist() == pytest.approx(ref, abs=1e-5)
     assert zero.tolist() == ref_zero == [False, True, False]
@@ -30,19 +34,39 @@ def test_group_advantages_match_reference(scale):
 def test_zero_variance_group_gets_exactly_zero_advantage():
     # 0.2 is not exact in float32: the centred values are ~1e-8, which / eps would be ~1e-4, not 0
     for scale in ("group", "batch", "none"):
-        adv, zero = group_advantages(torch.tensor([0.2, 0.2, 0.2, 1.2, 0.2, 0.2]), 3, scale)
+        adv, zero = group_advantages(torch.tensor([0.2, 0.2, 0.2, 1.2, 0.2, 0.2]), _groups(6, 3), scale)
         assert adv[:3].tolist() == [0.0, 0.0, 0.0] and zero.tolist() == [True, False]
 
 
 def test_hand_computed_pair():
     # rewards 1 and 0: mean .5, Bessel std sqrt(.5) = .7071 -> +-0.7071
-    adv, _ = group_advantages(torch.tensor([1.0, 0.0]), 2, "group", eps=0.0)
+    adv, _ = group_advantages(torch.tensor([1.0, 0.0]), _groups(2, 2), "group", eps=0.0)
     assert adv.tolist() == pytest.approx([0.70710678, -0.70710678], abs=1e-6)
 
 
-def test_rows_must_split_into_groups():
-    with pytest.raises(ValueError, match="groups of 4"):
-        group_advantages(torch.zeros(6), 4, "group")
+def test_groups_are_read_from_the_group_index_not_from_row_order():
+    """Interleaved rows give each row the advantage it has with its group laid out contiguously."""
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.2, 0.2, 0.2, 0.2, 1.2, 0.0, 0.2, 0.0]
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    for scale in ("group", "batch", "none"):
+        contiguous, _ = group_advantages(torch.tensor(rewards), _groups(12, 4), scale)
+        shuffled, _ = group_advantages(torch.tensor(rewards)[perm], _groups(12, 4)[perm], scale)
+        assert torch.allclose(shuffled, contiguous[perm], atol=1e-6)
+
+
+def test_rows_without_a_reward_stay_out_of_the_baseline():
+    """A row whose every component returned None (total 0) must not pull its group's mean down."""
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.5])
+    valid = torch.tensor([True, True, True, False, True, True])  # row 3: no reward value
+    adv, zero = group_advantages(rewards, _groups(6, 3), "group", eps=0.0, valid=valid)
+    # group 0 as before; group 1 is rows 4 and 5 only: mean .75, Bessel std .3536
+    g0, _ = _reference([1.0, 0.0, 1.0], 3, "group", 0.0)
+    assert adv[:3].tolist() == pytest.approx(g0, abs=1e-6)
+    assert adv[3].item() == 0.0
+    assert adv[4:].tolist() == pytest.approx([0.70710678, -0.70710678], abs=1e-6)
+    # a group left with fewer than two rewards has no baseline: advantage 0
+    adv, zero = group_advantages(torch.tensor([1.0, 0.0]), _groups(2, 2), "group", valid=torch.tensor([True, False]))
+    assert adv.tolist() == [0.0, 0.0] and zero.tolist() == [True]
 
 
 # ---------------------------------------------------------------- GAE and n-step returns vs slow loops

@@ -78,12 +78,15 @@ def _group_batch(tok, groups):
     prompts = _prompts(tok)
     comps = ["<think>\n3 + 4 = 7\n</think>\n<answer>7</answer>", "<think>\n12 - 5", "<answer>9</answer>",
              "<think>\n3 + 4 = 8\n</think>"]
+    order = sorted(range(len(groups)), key=lambda r: groups[r])  # build_batch takes contiguous groups
     p_ids, c_ids, group = [], [], []
-    for r, g in enumerate(groups):
+    for r in order:
+        g = groups[r]
         p_ids.append(tok(prompts[g % 2], add_special_tokens=False)["input_ids"])
         c_ids.append(tok(comps[r % len(comps)], add_special_tokens=False)["input_ids"])
         group.append(g)
-    return build_batch(p_ids, c_ids, [0.0] * len(groups), group, tok.pad_token_id)
+    batch = build_batch(p_ids, c_ids, [0.0] * len(groups), group, tok.pad_token_id)
+    return batch.select(torch.tensor(sorted(range(len(groups)), key=order.__getitem__)))  # back to `groups` order
 
 
 def test_shared_prompt_forward_equals_the_plain_forward_values_hidden_and_gradients(tiny):

@@ -64,7 +64,9 @@ BAD = [
     (["rollout.min_new_tokens=80"], "rollout.min_new_tokens: 80 is more than rollout.max_new_tokens \\(64\\)",
      "min above max new tokens"),
     (["rollout.engine=vllm"], "'rollout.engine'.*'fast' or 'hf'", "unknown rollout engine"),
-    (["algorithm.critic_backbone=own"], "'algorithm.critic_backbone'.*'shared' or 'separate'",
+    (["rollout.correction=token_truncate", "rollout.correction_min=3"],
+     "rollout.correction_min \\(3.0\\) must be below rollout.correction_max \\(2.0\\)", "correction bounds"),
+    (["algorithm.name=ppo", "algorithm.critic_backbone=own"], "'algorithm.critic_backbone'.*'shared' or 'separate'",
      "unknown critic backbone"),
 ]
 
@@ -89,7 +91,55 @@ def test_bad_files(tmp_path):
 
 
 def test_every_field_is_documented():
-    for section in Config.model_fields.values():
-        for name, field in section.annotation.model_fields.items():
-            assert field.description, f"{section.annotation.__name__}.{name} has no doc"
+    from docuchat_rl.algorithm_configs import ALGORITHM_CONFIGS
+
+    models = [s.annotation for k, s in Config.model_fields.items() if k != "algorithm"]
+    for model in models + list(ALGORITHM_CONFIGS.values()):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no doc"
     assert "num_generations = 8  # Completions (G) sampled per prompt" in explain()
+
+
+# one key of each algorithm that another algorithm does not read
+FOREIGN = [
+    ("grpo", "kl_in_reward=true"), ("grpo", "vf_clip=0.1"), ("grpo", "n_steps=4"), ("grpo", "critic_backbone=separate"),
+    ("ppo", "n_steps=4"), ("ppo", "scale=batch"), ("ppo", "std_epsilon=0.1"),
+    ("a2c", "vf_clip=0.1"), ("a2c", "lam=0.9"), ("a2c", "epsilon_high=0.28"), ("a2c", "scale=none"),
+]
+
+
+@pytest.mark.parametrize("algo,assignment", FOREIGN, ids=[f"{a}-{k.split('=')[0]}" for a, k in FOREIGN])
+def test_a_key_of_another_algorithm_is_refused_naming_key_and_algorithm(algo, assignment):
+    key = assignment.split("=")[0]
+    with pytest.raises(ConfigError, match=f"'algorithm.{key}' does not apply to algorithm '{algo}'; its keys are") as e:
+        load_config(None, [f"algorithm.name={algo}", f"algorithm.{assignment}"])
+    assert "\n" not in str(e.value)
+
+
+def test_each_algorithm_gets_its_own_config_model():
+    from docuchat_rl.algorithm_configs import A2CConfig, GRPOConfig, PPOConfig
+
+    assert type(load_config(None).algorithm) is GRPOConfig  # no name: grpo
+    assert type(load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1"]).algorithm) is PPOConfig
+    cfg = load_config(ROOT / "config" / "a2c.yaml", ["algorithm.n_steps=8"])
+    assert type(cfg.algorithm) is A2CConfig and cfg.algorithm.n_steps == 8
+    assert load_config(None, ["algorithm.scale=none"]).algorithm.scale == "none"  # a section without name
+
+
+def test_explain_lists_the_chosen_algorithms_keys():
+    grpo, a2c = explain(load_config(None)), explain(load_config(ROOT / "config" / "a2c.yaml"))
+    assert "  scale = 'group'" in grpo and "n_steps" not in grpo
+    assert "  n_steps = None" in a2c and "  scale =" not in a2c and "vf_clip" not in a2c
+
+
+def test_config_explain_runs_without_torch():
+    """`docuchat-rl config --explain` in a fresh interpreter imports neither torch nor transformers."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from docuchat_rl.cli import main; main(['config', '--explain', '--set', "
+            "'algorithm.name=ppo', '--set', 'rollout.num_generations=1']); "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "  vf_clip = 0.2" in out.stdout and "  lam = 0.95" in out.stdout

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from docuchat_rl.data import DataError, gsm8k_gold, load_examples, reasoning_target, render_prompt
+from docuchat_rl.data import DataError, load_examples, reasoning_target, render_prompt
+from rewards.correctness import gold_of
 
 ROWS = [{"q": "What is 2 + 2?", "a": "2 + 2 = <<2+2=4>>4\n#### 4", "level": 1},
         {"q": "Capital of France?", "a": "Paris", "level": 3}]
@@ -25,7 +26,6 @@ def test_loads_each_format_with_column_mapping(tmp_path, fmt):
     ex = load_examples(str(write(tmp_path, fmt)), "train", "q", "a")
     assert [(e.prompt_id, e.question, e.answer) for e in ex] == [(0, "What is 2 + 2?", "4"),
                                                                    (1, "Capital of France?", "Paris")]
-    assert ex[0].answer_text == ROWS[0]["a"]
     assert [e.columns for e in ex] == [{"level": 1}, {"level": 3}]  # other columns go to the rewards
 
 
@@ -58,8 +58,8 @@ def test_bad_inputs_name_the_culprit(tmp_path):
 
 
 def test_gsm8k_helpers():
-    assert gsm8k_gold("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == "72"
-    assert gsm8k_gold("#### 1,234") == "1234"
+    assert gold_of("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == "72"
+    assert gold_of("#### 1,234") == "1234"
     assert reasoning_target("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == (
         "<think>\nNatalia sold 48/2 = 24 clips.\n</think>\n<answer>72</answer>")
 

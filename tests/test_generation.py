@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, load_examples, render_prompt
-from docuchat_rl.generation import generate, sample, warp_logits
+from docuchat_rl.generation import generate, inverse_cdf, sample, warpers
 
 from .conftest import TASK
 
@@ -63,33 +63,56 @@ def test_sampler_is_exact_and_never_picks_excluded_tokens():
     probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
     logits = probs.log().expand(200_000, -1)
     torch.manual_seed(0)
-    draws = sample(logits, do_sample=True)
+    draws = sample(logits, do_sample=True).tokens
     freq = torch.bincount(draws, minlength=5) / draws.numel()
     assert freq[1] == 0 and freq[4] == 0  # zero probability: never, even at the CDF's flat end
     assert torch.allclose(freq, probs, atol=0.005)
-    top1 = sample(torch.tensor([[0.1, 2.0, 0.3]]).expand(1000, -1), do_sample=True, top_k=1)
-    assert (top1 == 1).all()
-    assert sample(torch.tensor([[0.1, 2.0, 0.3]]), do_sample=False).tolist() == [1]
+    top1 = sample(torch.tensor([[0.1, 2.0, 0.3]]).expand(1000, -1), do_sample=True, processors=warpers(top_k=1))
+    assert (top1.tokens == 1).all()
+    assert sample(torch.tensor([[0.1, 2.0, 0.3]]), do_sample=False).tokens.tolist() == [1]
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.0, 0, 0.8),
                                                      (1.3, 20, 0.9), (1.0, 1, 0.5)])
-def test_warpers_match_transformers(temperature, top_k, top_p):
+def test_sampler_log_probs_are_those_of_the_warped_distribution(temperature, top_k, top_p):
+    """The log-prob the sampler returns is the drawn token's under transformers' warpers, and only
+    tokens those warpers keep are drawn."""
     from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50) * 3
     ref = logits.clone()
-    ids = torch.zeros(6, 1, dtype=torch.long)
     if temperature != 1.0:
-        ref = TemperatureLogitsWarper(temperature)(ids, ref)
+        ref = TemperatureLogitsWarper(temperature)(None, ref)
     if top_k:
-        ref = TopKLogitsWarper(top_k)(ids, ref)
+        ref = TopKLogitsWarper(top_k)(None, ref)
     if top_p < 1.0:
-        ref = TopPLogitsWarper(top_p)(ids, ref)
-    ours = warp_logits(logits, temperature, top_k, top_p)
-    assert torch.equal(ours.isinf(), ref.isinf())
-    assert torch.allclose(ours[~ours.isinf()], ref[~ref.isinf()])
+        ref = TopPLogitsWarper(top_p)(None, ref)
+    ref_logp = torch.log_softmax(ref, -1)
+    for _ in range(20):
+        draw = sample(logits, do_sample=True, processors=warpers(temperature, top_k, top_p))
+        assert torch.isfinite(ref[torch.arange(6), draw.tokens]).all()  # a kept token
+        assert torch.allclose(draw.logps, ref_logp[torch.arange(6), draw.tokens], atol=1e-5)
+
+
+@pytest.mark.parametrize("head", [0.99, 0.9999])
+def test_sampler_gives_every_token_of_a_150k_vocabulary_its_own_probability(head):
+    """V = 151,936 with `head` of the mass on one token: each tail token (6.6e-8 or 6.6e-10, at or below
+    one float32 step of a CDF near 1) must own a draw interval of exactly its probability. The midpoint
+    of each token's exact interval must draw that token, for all V tokens."""
+    v = 151_936
+    q = (1 - head) / (v - 1)
+    logits = torch.full((1, v), float(torch.tensor(q, dtype=torch.float64).log()), dtype=torch.float64)
+    logits[0, 0] = torch.tensor(head, dtype=torch.float64).log()
+    probs = logits.softmax(-1)  # float64
+    idx = torch.arange(v, dtype=torch.float64)
+    mids = torch.where(idx == 0, torch.tensor(head / 2, dtype=torch.float64), head + (idx - 0.5) * q)  # [V]
+    drawn = inverse_cdf(probs, mids.unsqueeze(0))[0]
+    assert torch.equal(drawn, torch.arange(v))  # every token reachable, in its own exact interval
+    # what a float32 CDF (the previous sampler) does: tail steps of 0 or one ulp instead of q
+    cdf32 = probs.float().cumsum(-1)[0]
+    step = (cdf32[1:] - cdf32[:-1]).double()  # [V - 1]
+    assert ((step - q).abs() / q).max() > 0.5  # some tail token's probability is off by more than 50%
 
 
 def test_sliding_window_model_falls_back_to_a_growing_cache_and_matches(tiny):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from docuchat_rl.losses import (Norm, aggregate, clipped_surrogate, k3_kl, log_ratio, token_entropy,
+from docuchat_rl.losses import (Normalisers, aggregate, clipped_surrogate, k3_kl, log_ratio, token_entropy,
                                 token_logprobs)
 
 
@@ -77,7 +77,7 @@ def test_aggregation_matches_reference_and_micro_batches_sum_to_the_minibatch(mo
     per_token = torch.randn(6, 7)
     mask = (torch.rand(6, 7) > 0.3).float()
     mask[:, 0] = 1
-    norm = Norm(rows=6, tokens=float(mask.sum()), max_new_tokens=10)
+    norm = Normalisers(rows=6, tokens=float(mask.sum()), max_new_tokens=10)
     whole = aggregate(per_token, mask, mode, norm)
     assert whole.item() == pytest.approx(_reference_aggregate(per_token, mask, mode, norm), rel=1e-5)
     parts = sum(aggregate(per_token[i:i + 2], mask[i:i + 2], mode, norm) for i in range(0, 6, 2))
@@ -87,7 +87,7 @@ def test_aggregation_matches_reference_and_micro_batches_sum_to_the_minibatch(mo
 def test_padding_contributes_nothing():
     per_token = torch.tensor([[1.0, 2.0, 99.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    norm = Norm(rows=1, tokens=2.0, max_new_tokens=3)
+    norm = Normalisers(rows=1, tokens=2.0, max_new_tokens=3)
     assert aggregate(per_token, mask, "grpo", norm).item() == pytest.approx(1.5)
     assert aggregate(per_token, mask, "dapo", norm).item() == pytest.approx(1.5)
     assert aggregate(per_token, mask, "dr_grpo", norm).item() == pytest.approx(1.0)

@@ -5,10 +5,13 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from docuchat_rl.config import load_config
 from docuchat_rl.data import DataError
@@ -25,8 +28,16 @@ TIMING = ("time/", "rollout_tokens_per_s")
 
 
 def cfg_for(tmp_path, *extra):
-    return load_config(ROOT / "config" / "default.yaml",
-                       FAST + [f"run.output_dir={tmp_path}", *extra])
+    """The default recipe shrunk by FAST; `algorithm.name=X` among `extra` starts X from its defaults
+    (the default recipe's GRPO keys do not apply to another algorithm)."""
+    recipe = ROOT / "config" / "default.yaml"
+    algo = next((e.split("=", 1)[1] for e in extra if e.startswith("algorithm.name=")), None)
+    if algo is not None:
+        raw = yaml.safe_load(recipe.read_text())
+        raw["algorithm"] = {"name": algo}
+        recipe = Path(tempfile.mkdtemp()) / f"{algo}.yaml"
+        recipe.write_text(yaml.safe_dump(raw))
+    return load_config(recipe, FAST + [f"run.output_dir={tmp_path}", *extra])
 
 
 def untimed(records):
@@ -222,15 +233,14 @@ def test_data_set_columns_reach_the_rewards(tmp_path):
 def test_separate_critic_adapter_keeps_value_gradients_off_the_policy_adapter(tmp_path):
     """With critic_backbone=separate the value loss trains the critic's adapter and value head only, and
     the policy loss trains the policy adapter only; shared, the value loss reaches the policy adapter."""
-    from docuchat_rl.losses import Norm
+    from docuchat_rl.losses import Normalisers
 
     for backbone in ("separate", "shared"):
         t = Trainer(cfg_for(tmp_path / backbone, "algorithm.name=ppo", "rollout.num_generations=1",
                             "rollout.prompts_per_step=4", f"algorithm.critic_backbone={backbone}"))
-        parts, _ = t.collect(Timer())
-        batch, _ = t.prepare(parts, Timer())
+        batch = t.prepare(t.collect(Timer()))
         t.advantages(batch, Timer())
-        norm = Norm(rows=batch.rows, tokens=float(batch.completion_mask.sum()), max_new_tokens=24)
+        norm = Normalisers(rows=batch.rows, tokens=float(batch.completion_mask.sum()), max_new_tokens=24)
         grads = {}
         for part in ("value", "policy"):
             t.optimizer.zero_grad(set_to_none=True)

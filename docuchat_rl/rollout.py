@@ -1,0 +1,152 @@
+"""Rollout and scoring: sample a step's groups, score them, and keep one typed record per completion.
+
+`Collector.collect` samples `prompts_per_step` prompts x `num_generations` completions, scores them with
+the composite reward and, under DAPO dynamic sampling, drops groups whose rewards all agree and samples
+more prompts until the step is full (or the resample rounds run out). The result is a `Rollout`: one
+`Completion` per sampled completion, in sampling order, from which both the training `Batch` (the used
+groups, as tensors) and the trace records are made, so the two can never disagree.
+
+Reward inputs (the data set's columns plus answer, completion_tokens, truncated, prompt_id) are built by
+`data.reward_inputs` here and in evaluation alike.
+
+Deliberately left out: asynchronous or off-policy rollouts (the sampler runs with the current adapter,
+between updates) and external engines; an engine must return what `generation.Generation` holds,
+the sampler's per-token log-probs included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+from rewards import CompositeReward
+from rewards.composite import BatchResult, RewardRecord
+
+from .batch import Batch, build_batch
+from .config import RolloutConfig
+from .data import Example, PromptSampler, reward_inputs
+from .generation import Generation, generate
+from .modeling import merged_adapter
+
+
+class Timer:
+    """Seconds per named phase of one step (a phase may be entered several times)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        yield
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion and everything the later phases read about it."""
+
+    example: Example
+    sample: int  # index within its group
+    prompt_ids: list[int]  # the prompt's tokens, unpadded
+    ids: list[int]  # the completion's tokens, EOS included when emitted
+    sampler_logps: list[float]  # the sampler's log-prob of each of `ids`
+    text: str  # decoded, special tokens skipped
+    truncated: bool  # no EOS within max_new_tokens
+    reward: RewardRecord
+    used: bool  # False when dynamic sampling dropped its group (traced, not trained on)
+    group: int | None  # index among the step's used groups; None when not used
+
+
+@dataclass
+class Rollout:
+    """A step's completions in sampling order, and how many prompts and rounds it took."""
+
+    completions: list[Completion]
+    prompts_sampled: int
+    rounds: int
+
+    @property
+    def used(self) -> list[Completion]:
+        return [c for c in self.completions if c.used]
+
+    def batch(self, pad_id: int) -> Batch:
+        """The used completions as tensors, groups contiguous in sampling order."""
+        used = self.used
+        if not used:
+            raise ValueError("no completion of this step is used")
+        return build_batch([c.prompt_ids for c in used], [c.ids for c in used], [c.reward.total for c in used],
+                           [c.group for c in used], pad_id, sampler_logps=[c.sampler_logps for c in used],
+                           reward_valid=[not c.reward.total_missing for c in used])
+
+    def trace_records(self, step: int, run_id: str, per_row: dict[str, list]) -> list[dict]:
+        """One trace record per completion; `per_row` holds algorithm values for the used rows, in order."""
+        records, used_i = [], 0
+        for c in self.completions:
+            rec = c.reward
+            record = {"run_id": run_id, "step": step, "prompt_id": c.example.prompt_id, "group": c.group,
+                      "sample": c.sample, "used": c.used, "prompt": c.example.question, "completion": c.text,
+                      "gold": c.example.answer, "completion_tokens": len(c.ids), "truncated": c.truncated,
+                      "rewards": {k: v.as_dict() for k, v in rec.components.items()},
+                      "total": rec.total, "total_missing": rec.total_missing}
+            for k, values in per_row.items():
+                record[k] = values[used_i] if c.used else None
+            used_i += c.used
+            records.append(record)
+        return records
+
+
+def score(reward: CompositeReward, examples: list[Example], texts: list[str], gen: Generation) -> BatchResult:
+    """The composite reward of each completion; `examples` holds each completion's example (repeated)."""
+    columns = reward_inputs(examples, [len(c) for c in gen.completion_ids], gen.truncated)
+    return reward([e.question for e in examples], texts, **columns)
+
+
+class Collector:
+    """Samples and scores a step's groups with the current model (rollout + score phases)."""
+
+    def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
+                 reward: CompositeReward, sampler: PromptSampler):
+        self.cfg, self.tokenizer, self.examples = cfg, tokenizer, examples
+        self.prompt_texts, self.reward, self.sampler = prompt_texts, reward, sampler
+
+    def sample(self, model, idx: list[int]) -> tuple[Generation, list[str]]:
+        """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts."""
+        r = self.cfg
+        model.eval()
+        with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
+            gen = generate(model, self.tokenizer, [self.prompt_texts[i] for i in idx],
+                           max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,
+                           top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
+                           num_return_sequences=r.num_generations, engine=r.engine,
+                           min_new_tokens=r.min_new_tokens)
+        return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+
+    def collect(self, model, timer: Timer) -> Rollout:
+        """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""
+        r, g = self.cfg, self.cfg.num_generations
+        completions: list[Completion] = []
+        kept = rounds = sampled = 0
+        while True:
+            idx = self.sampler.take(r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step)
+            examples = [self.examples[i] for i in idx for _ in range(g)]
+            with timer("rollout"):
+                gen, texts = self.sample(model, idx)
+            with timer("score"):
+                result = score(self.reward, examples, texts, gen)
+            for p in range(len(idx)):
+                rows = range(p * g, (p + 1) * g)
+                totals = [result.records[i].total for i in rows]
+                varied = max(totals) - min(totals) > 1e-8 or g == 1
+                use = (varied or not r.dynamic_sampling) and kept < r.prompts_per_step
+                for s, i in enumerate(rows):
+                    completions.append(Completion(
+                        example=examples[i], sample=s, prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i],
+                        sampler_logps=gen.logps[i], text=texts[i], truncated=gen.truncated[i],
+                        reward=result.records[i], used=use, group=kept if use else None))
+                kept += use
+            sampled += len(idx)
+            rounds += 1
+            if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
+                return Rollout(completions, sampled, rounds)
