@@ -51,6 +51,10 @@ def test_run_errors_are_one_line_and_exit_2(tmp_path, capsys):
     empty.write_text("")
     assert main(["train", "--set", f"data.train={empty}", "--set", f"run.output_dir={tmp_path}"]) == 2
     assert "data file is empty" in capsys.readouterr().err
+    missing = tmp_path / "no-such-model"
+    assert main(["eval", "--set", f"model.name_or_path={missing}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"docuchat-rl: error: model.name_or_path '{missing}' could not be loaded") and "\n" not in err
 
 
 @pytest.mark.slow

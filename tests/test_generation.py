@@ -152,3 +152,31 @@ def test_min_new_tokens_gives_fixed_lengths(tiny, engine):
                      num_return_sequences=2, engine=engine)
     assert all(len(c) == 60 for c in fixed.completion_ids)
     assert all(tok.eos_token_id not in c[:-1] for c in fixed.completion_ids)
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_only_the_configured_processors_shape_the_distribution(tiny, engine):
+    """A model's generation_config (Qwen2.5-Instruct ships repetition_penalty and top_k) must not add
+    processors: greedy output is the plain argmax path, and the sampler's log-probs are the model's."""
+    from docuchat_rl.batch import build_batch, policy_forward
+
+    model, tok = tiny
+    prompts = _prompts(tok, 4)
+    plain = generate(model, tok, prompts, engine=engine, max_new_tokens=30, do_sample=False)
+    gc = model.generation_config
+    saved = (gc.repetition_penalty, gc.top_k, gc.no_repeat_ngram_size)
+    gc.repetition_penalty, gc.top_k, gc.no_repeat_ngram_size = 1.5, 3, 2
+    try:
+        greedy = generate(model, tok, prompts, engine=engine, max_new_tokens=30, do_sample=False)
+        torch.manual_seed(0)
+        sampled = generate(model, tok, prompts, engine=engine, max_new_tokens=30, do_sample=True,
+                           num_return_sequences=2, temperature=0.9)
+    finally:
+        gc.repetition_penalty, gc.top_k, gc.no_repeat_ngram_size = saved
+    assert greedy.completion_ids == plain.completion_ids
+    batch = build_batch(sampled.prompt_ids, sampled.completion_ids, [0.0] * 8, [0, 0, 1, 1, 2, 2, 3, 3],
+                        tok.pad_token_id, sampler_logps=sampled.logps)
+    with torch.no_grad():
+        scored = policy_forward(model, batch, temperature=0.9).logps  # [R, T]
+    m = batch.completion_mask.bool()
+    assert (scored[m] - batch.sampler_logps[m]).abs().max() < 1e-4

@@ -132,3 +132,70 @@ def test_merged_adapter_restores_after_an_error_and_ignores_plain_models(tiny):
     model, _ = tiny
     with merged_adapter(model) as m:  # not a peft model: a no-op
         assert m is model
+
+
+def test_merged_adapter_never_changes_a_tied_embedding():
+    """LoRA on a tied lm_head (the default model and Qwen2.5-0.5B tie it to the input embedding): the merged
+    rollout must give the adapter's logits, with the embedding untouched by the lm_head's delta."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from docuchat_rl.modeling import merged_adapter
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "lm_head"],
+                                          task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    ids = torch.tensor([[5, 17, 40, 99, 3]])
+    with torch.no_grad():
+        unmerged = pm(input_ids=ids).logits
+        with merged_adapter(pm):
+            merged = pm(input_ids=ids).logits
+    assert (merged.log_softmax(-1) - unmerged.log_softmax(-1)).abs().max() < 1e-4
+
+
+def _dropout_models(tok):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         attention_dropout=0.3, max_position_embeddings=256))
+    return {"gpt2": gpt2, "llama": llama}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_disable_dropout_makes_train_mode_score_what_eval_mode_sampled(tiny, arch):
+    """GPT-2 ships dropout 0.1 (modules), Llama-family configs an attention_dropout float: in train mode
+    either makes the update score another function than the rollout sampled, unless turned off."""
+    from docuchat_rl.modeling import disable_dropout
+
+    _, tok = tiny
+    model = _dropout_models(tok)[arch]
+    ids = torch.tensor([[5, 17, 40, 99, 3, 8, 21, 60]])
+
+    def logps(train: bool):
+        model.train(train)
+        with torch.no_grad():
+            return model(input_ids=ids).logits.log_softmax(-1)
+
+    assert (logps(True) - logps(False)).abs().max() > 1e-3  # dropout is really on in train mode
+    assert disable_dropout(model) > 0
+    assert torch.allclose(logps(True), logps(False), atol=1e-6)
+
+
+def test_a_bad_model_path_is_one_line_naming_the_key(tmp_path):
+    from docuchat_rl.errors import ModelError
+    from docuchat_rl.modeling import load_model_and_tokenizer
+
+    for name in (str(tmp_path / "no-such-model"), "./data/modle"):
+        with pytest.raises(ModelError, match=r"model.name_or_path .* could not be loaded: tried a local folder") as e:
+            load_model_and_tokenizer(name, device="cpu")
+        assert "\n" not in str(e.value) and name in str(e.value)

@@ -38,6 +38,16 @@ CORRECTNESS = [
     ("<answer>París.</answer>", "Paris", 1.0, "accents and punctuation ignored"),
     ("<answer>Lyon</answer>", "Paris", 0.0, "non-math mismatch"),
     ("```python\nprint(7)\n```\n<answer>7</answer>", "7", 1.0, "code block before the answer"),
+    # LaTeX written in the tag without $ delimiters is judged by its value
+    ("<answer>2^{3}</answer>", "8", 1.0, "bare LaTeX power"),
+    ("<answer>2 \\cdot 4</answer>", "8", 1.0, "bare LaTeX product with cdot"),
+    ("<answer>2\\times 4</answer>", "8", 1.0, "bare LaTeX product with times"),
+    ("<answer>\\frac{16}{2}</answer>", "#### 8", 1.0, "bare LaTeX fraction equal to an integer gold"),
+    ("<answer>\\sqrt{64}</answer>", "8", 1.0, "bare LaTeX square root"),
+    ("<answer>4^{2}</answer>", "8", 0.0, "bare LaTeX power of another value"),
+    ("<answer>3 \\cdot 3</answer>", "8", 0.0, "bare LaTeX product of another value"),
+    ("\\boxed{2^{3}}", "8", 1.0, "LaTeX inside boxed"),
+    ("<answer>$2^{3}$</answer>", "8", 1.0, "delimited LaTeX still works"),
     ("<answer>七</answer>", "7", 0.0, "a CJK numeral is not parsed as 7"),
 ]
 

@@ -257,3 +257,39 @@ def test_separate_critic_adapter_keeps_value_gradients_off_the_policy_adapter(tm
             assert grads["value"] and all(".critic." in n for n in grads["value"])
         else:  # the value loss trains the policy's own adapter
             assert grads["value"] & grads["policy"]
+
+
+@pytest.mark.slow
+def test_sampler_mismatch_is_logged_near_zero_by_default_and_corrected_with_top_k(tmp_path):
+    """The sampler's own log-probs against the trainer's: ~0 on the default recipe (same distribution),
+    clearly non-zero with top-k (the trainer scores the full softmax, so pi_train <= pi_sampler); the
+    correction logs the share of tokens it capped at correction_min."""
+    runs = {"default": [], "top_k": ["rollout.top_k=5"],
+            "corrected": ["rollout.top_k=5", "rollout.correction=token_truncate", "rollout.correction_min=0.9"]}
+    metrics = {}
+    for name, extra in runs.items():
+        t = Trainer(cfg_for(tmp_path / name, "run.steps=2", *extra))
+        metrics[name] = t.train()
+        t.close()
+    for m in metrics["default"]:
+        assert m["sampler/mismatch_mean"] < 1e-4 and m["sampler/mismatch_max"] < 1e-3
+        assert "sampler/capped_share" not in m
+    for m in metrics["top_k"]:
+        assert m["sampler/mismatch_mean"] > 1e-3 and m["sampler/mismatch_share"] > 0.01
+    for m in metrics["corrected"]:
+        assert 0.0 <= m["sampler/capped_share"] <= 1.0 and m["sampler/weight_mean"] >= 0.9  # top-k: ratios <= 1
+    assert any(m["sampler/capped_share"] > 0 for m in metrics["corrected"])
+
+
+def test_an_under_filled_batch_still_takes_the_configured_optimizer_steps(tmp_path):
+    """Dynamic sampling out of rounds can leave fewer groups than prompts_per_step: the rollout must still
+    take (batch_rows / minibatch_size) * num_iterations optimizer steps, so the schedule stays on time."""
+    t = Trainer(cfg_for(tmp_path, "optim.minibatch_size=4", "optim.micro_batch_size=2",
+                        "algorithm.num_iterations=2", "optim.schedule=linear"))
+    batch = t.prepare(t.collect(Timer()))
+    half = batch.select(torch.arange(4))  # one group of 4 instead of two
+    t.advantages(half, Timer())
+    m = t.update(half, Timer())
+    t.close()
+    assert m["optimizer_steps"] == 4 == t.updates_per_step
+    assert t.scheduler.scheduler.last_epoch == 4  # the schedule moved exactly one step per optimizer step

@@ -1,0 +1,119 @@
+"""Algorithms against hand-computed cases: the registry, GRPO's group baseline, the policy loss's KL and
+approx-KL estimators, A2C's KL term, and the sampler correction (importance weights and their metrics)."""
+
+import math
+
+import pytest
+import torch
+
+from docuchat_rl.algorithms import GRPO, MISMATCH_THRESHOLD, algorithm_names, get_algorithm_class
+from docuchat_rl.batch import PolicyOutput, build_batch
+from docuchat_rl.config import load_config
+from docuchat_rl.losses import Normalisers, sampler_weights
+
+
+def _batch(rewards, group, sampler_logps, valid=None):
+    """Rows of one-token prompts and completions of the given lengths (len of each sampler_logps row)."""
+    comps = [[7] * len(s) for s in sampler_logps]
+    return build_batch([[5]] * len(comps), comps, rewards, group, 0, sampler_logps=sampler_logps,
+                       reward_valid=valid)
+
+
+def _out(logps):
+    return PolicyOutput(torch.tensor(logps, requires_grad=True), None, None)
+
+
+def _norm(batch):
+    return Normalisers(rows=batch.rows, tokens=float(batch.completion_mask.sum()), max_new_tokens=4)
+
+
+def test_registry_names_and_config_types():
+    assert algorithm_names() == ["a2c", "grpo", "ppo"]
+    with pytest.raises(KeyError, match="unknown algorithm 'reinforce'; valid: a2c, grpo, ppo"):
+        get_algorithm_class("reinforce")
+    for name in algorithm_names():
+        assert get_algorithm_class(name).config_type.model_fields["name"].default == name
+    with pytest.raises(TypeError, match="grpo needs a GRPOConfig, got PPOConfig"):
+        GRPO(load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1"]))
+
+
+def test_grpo_advantages_use_the_batch_groups_and_skip_rows_without_reward():
+    cfg = load_config(None, ["rollout.num_generations=3", "rollout.prompts_per_step=2"])
+    batch = _batch([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1], [[0.0, 0.0]] * 6,
+                   valid=[True, True, True, False, True, True])
+    metrics = GRPO(cfg).advantages(batch)
+    adv = batch.advantages[:, 0]
+    assert adv[:3].tolist() == pytest.approx([2 / 3 / (math.sqrt(1 / 3) + 1e-4), -1 / 3 / (math.sqrt(1 / 3) + 1e-4),
+                                              -1 / 3 / (math.sqrt(1 / 3) + 1e-4)], rel=1e-5)
+    assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # the missing row is out; the other two agree: no signal
+    assert metrics["zero_std_frac"] == 0.5
+    assert torch.equal(batch.advantages[:, 1], batch.advantages[:, 0])  # one value for every token
+
+
+def test_approx_kl_old_is_the_kl_estimator_for_samples_of_the_old_policy():
+    """approx_kl_old = mean of (rho - 1) - log rho over tokens, rho = pi / pi_old (not 1/rho + log rho - 1)."""
+    cfg = load_config(None, ["rollout.num_generations=2", "rollout.prompts_per_step=1"])
+    batch = _batch([1.0, 0.0], [0, 0], [[-1.0, -2.0], [-0.5, -0.7]])
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]])
+    new = [[0.0, -1.5], [-0.5, 0.8]]  # log rho = 1, 0.5, 0, 1.5
+    batch.old_logps, batch.advantages = old, torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    _, metrics = GRPO(cfg).policy_loss(_out(new), batch, _norm(batch))
+    log_rho = torch.tensor(new) - old
+    expected = float((log_rho.exp() - 1 - log_rho).mean())
+    assert metrics["approx_kl_old"] == pytest.approx(expected, rel=1e-5)
+    wrong = float(((-log_rho).exp() - 1 + log_rho).mean())  # the chi-square-like estimate used before
+    assert abs(expected - wrong) > 0.1
+
+
+def test_a2c_applies_the_k3_kl_term_when_beta_is_set():
+    """beta > 0 without kl_in_reward: the A2C loss gains beta * k3(pi || ref), aggregated like the policy."""
+    rows = ["rollout.num_generations=1", "rollout.prompts_per_step=2"]
+    batch = _batch([1.0, 0.0], [0, 1], [[-1.0, -2.0], [-0.5, -0.7]])
+    batch.advantages = torch.tensor([[0.5, 0.5], [-0.5, -0.5]])
+    batch.values, batch.returns = torch.zeros(2, 2), torch.zeros(2, 2)
+    batch.ref_logps = torch.tensor([[-1.2, -1.0], [-0.5, -1.5]])
+    logps = [[-1.0, -2.0], [-0.5, -0.7]]
+    hidden = torch.zeros(2, 2, 8)
+    losses = {}
+    for beta in (0.0, 0.1):
+        algo = get_algorithm_class("a2c")(load_config(None, ["algorithm.name=a2c", f"algorithm.beta={beta}", *rows]), 8)
+        out = PolicyOutput(torch.tensor(logps, requires_grad=True), None, hidden)
+        losses[beta], metrics = algo.loss(out, batch, _norm(batch))
+    d = batch.ref_logps - torch.tensor(logps)
+    k3 = d.exp() - d - 1  # [2, 2]
+    expected_kl = float((k3.mean(-1)).mean())  # grpo aggregation: mean over rows of token means
+    assert float((losses[0.1] - losses[0.0]).detach()) == pytest.approx(0.1 * expected_kl, rel=1e-5)
+    assert metrics["kl"] == pytest.approx(float(k3.mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_sampler_weights_against_a_hand_computation(mode):
+    train = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.1, -3.0]])
+    sampler = torch.tensor([[-1.0, -3.0, 0.0], [-0.4, -0.1, -3.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    w, capped = sampler_weights(train, sampler, mask, mode, 0.5, 2.0)
+    if mode.startswith("token"):
+        ratio = torch.tensor([[1.0, math.e, 1.0], [math.exp(-0.1), 1.0, 1.0]])
+    else:  # the sequence ratio exp(sum of token log-ratios) on every token of the row
+        ratio = torch.tensor([[math.e] * 3, [math.exp(-0.1)] * 3])
+    out = (ratio < 0.5) | (ratio > 2.0)
+    expected = ratio.clamp(0.5, 2.0) if mode.endswith("truncate") else ratio.masked_fill(out, 0.0)
+    assert torch.allclose(w, expected * mask, atol=1e-6)
+    assert torch.equal(capped, out & (mask > 0))
+
+
+def test_policy_loss_logs_the_sampler_mismatch_and_weights_tokens_with_correction():
+    base = ["rollout.num_generations=2", "rollout.prompts_per_step=1"]
+    batch = _batch([1.0, 0.0], [0, 0], [[-1.0, -2.0], [-0.5, -0.2]])
+    batch.advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    trainer = [[-1.0, -2.5], [-0.5, -0.2]]  # token (0, 1): the sampler thought it 0.5 nats likelier
+    _, plain = GRPO(load_config(None, base)).policy_loss(_out(trainer), batch, _norm(batch))
+    assert plain["sampler/mismatch_max"] == pytest.approx(0.5)
+    assert plain["sampler/mismatch_mean"] == pytest.approx(0.5 / 4)
+    assert plain["sampler/mismatch_share"] == pytest.approx(1 / 4) and 0.5 > MISMATCH_THRESHOLD
+    assert "sampler/capped_share" not in plain
+    cfg = load_config(None, base + ["rollout.correction=token_mask", "rollout.correction_min=0.7"])
+    loss, corrected = GRPO(cfg).policy_loss(_out(trainer), batch, _norm(batch))
+    assert corrected["sampler/capped_share"] == pytest.approx(1 / 4)  # exp(-0.5) = 0.61 < 0.7: masked
+    # at mu = 1 the ratio is 1, so the loss is -mean over rows of the mean of A * w over tokens
+    assert float(loss) == pytest.approx(-((1.0 + 0.0) / 2 + (-1.0 - 1.0) / 2) / 2, rel=1e-6)

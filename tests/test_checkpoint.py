@@ -1,0 +1,49 @@
+"""Checkpoint folders: atomic completion, the `latest` pointer, pruning, resume resolution, and a failed
+write that leaves the previous checkpoint in charge."""
+
+import pytest
+
+from docuchat_rl.checkpoint import LATEST, list_checkpoints, resolve_resume, save_checkpoint
+
+
+def _writer(step):
+    def write_into(folder):
+        (folder / "trainer_state.json").write_text(f'{{"step": {step}}}\n')
+        (folder / "adapter_model.safetensors").write_bytes(b"x" * step)
+    return write_into
+
+
+def test_save_renames_into_place_updates_latest_and_prunes(tmp_path):
+    for step in (1, 2, 3, 4):
+        final = save_checkpoint(tmp_path, step, _writer(step), keep_last=2)
+        assert final == tmp_path / f"checkpoint-{step}" and (final / "trainer_state.json").exists()
+        assert (tmp_path / LATEST).read_text().strip() == f"checkpoint-{step}"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-4"]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_write_that_fails_leaves_the_previous_checkpoint_and_latest(tmp_path):
+    save_checkpoint(tmp_path, 1, _writer(1), keep_last=3)
+
+    def broken(folder):
+        (folder / "trainer_state.json").write_text("{")
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        save_checkpoint(tmp_path, 2, broken, keep_last=3)
+    assert (tmp_path / LATEST).read_text().strip() == "checkpoint-1"
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]  # the .tmp folder is not one
+    assert resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-1"
+    save_checkpoint(tmp_path, 2, _writer(2), keep_last=3)  # the next save clears the stale .tmp
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resolve_resume_accepts_latest_a_run_folder_or_a_checkpoint(tmp_path):
+    save_checkpoint(tmp_path, 5, _writer(5), keep_last=3)
+    save_checkpoint(tmp_path, 10, _writer(10), keep_last=3)
+    assert resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-10"
+    assert resolve_resume(str(tmp_path), tmp_path / "elsewhere") == tmp_path / "checkpoint-10"
+    assert resolve_resume(str(tmp_path / "checkpoint-5"), tmp_path) == tmp_path / "checkpoint-5"
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint to resume .*checkpoint-5', 'checkpoint-10'"):
+        resolve_resume(str(tmp_path / "checkpoint-7"), tmp_path)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-5", "checkpoint-10"]  # numeric order
