@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from .losses import token_entropy, token_logprobs
+from .losses import chunked_token_stats, token_entropy, token_logprobs
 
 
 @dataclass
@@ -107,9 +107,10 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _shared_prompt_forward(model, batch: Batch, with_hidden: bool):
-    """Logits [R, T, V] (and last hidden states [R, T, H]) predicting each completion token, with each
-    distinct prompt of the micro-batch run once and its keys/values shared by the rows of its group.
+def _shared_prompt_forward(model, batch: Batch, with_hidden: bool, with_logits: bool = True):
+    """Logits [R, T, V] (None unless `with_logits`) and last hidden states [R, T, H] (None unless
+    `with_hidden`) predicting each completion token, with each distinct prompt of the micro-batch run
+    once and its keys/values shared by the rows of its group.
 
     None when no two rows share a group (nothing to save). Gradient-exact: the shared prompt's
     activations receive the summed gradient of every completion that attends to them, as in the
@@ -128,11 +129,14 @@ def _shared_prompt_forward(model, batch: Batch, with_hidden: bool):
     _select_rows(cache, inverse)  # [U, ...] -> [R, ...]
     tail = model(input_ids=batch.completion_ids[:, :t - 1], attention_mask=batch.attention_mask[:, :lp + t - 1],
                  position_ids=position_ids(batch.attention_mask)[:, lp:lp + t - 1], past_key_values=cache,
-                 use_cache=True, output_hidden_states=with_hidden) if t > 1 else None
+                 use_cache=True, output_hidden_states=with_hidden,
+                 **({} if with_logits else {"logits_to_keep": 1})) if t > 1 else None
     # completion token 0 is predicted by the prompt's last position, token j > 0 by completion position j-1
-    logits = head.logits[:, -1:].index_select(0, inverse)  # [R, 1, V]
-    if tail is not None:
-        logits = torch.cat([logits, tail.logits], 1)  # [R, T, V]
+    logits = None
+    if with_logits:
+        logits = head.logits[:, -1:].index_select(0, inverse)  # [R, 1, V]
+        if tail is not None:
+            logits = torch.cat([logits, tail.logits], 1)  # [R, T, V]
     hidden = None
     if with_hidden:
         hidden = head.hidden_states[-1][:, -1:].index_select(0, inverse)  # [R, 1, H]
@@ -162,26 +166,56 @@ def _group_index(group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, inverse
 
 
+def output_head(model):
+    """hidden [n, H] -> logits [n, V] exactly as the model's forward computes them from its last hidden
+    state: the output layer (with its LoRA, if targeted), then the logit scaling or soft-capping some
+    architectures apply (Gemma2's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    lm_head, cfg = base.get_output_embeddings(), base.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    scale = getattr(cfg, "logit_scale", None)
+    divide = getattr(cfg, "logits_scaling", None)
+
+    def head(h: torch.Tensor) -> torch.Tensor:
+        logits = lm_head(h)
+        if scale is not None:
+            logits = logits * scale
+        if divide is not None:
+            logits = logits / divide
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return head
+
+
 def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
                    with_hidden: bool = False, entropy_grad: bool = False,
-                   share_prompt: bool = False) -> PolicyOutput:
+                   share_prompt: bool = False, logit_chunk: int = 0) -> PolicyOutput:
     """Log-probs of each completion token under `model`; logits only for completion positions.
 
     `share_prompt` runs each group's prompt once (rows of a group have the same prompt) and reuses its
     keys/values for the group's completions: the same numbers up to float rounding, with G times less
-    prompt compute. The entropy is a diagnostic (no grad) unless `entropy_grad`, for losses with an
-    entropy bonus.
+    prompt compute. `logit_chunk` > 0 scores that many positions at a time from the last hidden states
+    (`losses.chunked_token_stats`), never holding the micro-batch's [R, T, V] logits. The entropy is a
+    diagnostic (no grad) unless `entropy_grad`, for losses with an entropy bonus.
     """
     t = batch.completion_mask.shape[1]
-    shared = _shared_prompt_forward(model, batch, with_hidden) if share_prompt else None
+    chunked = logit_chunk > 0
+    shared = (_shared_prompt_forward(model, batch, with_hidden or chunked, with_logits=not chunked)
+              if share_prompt else None)
     if shared is not None:
         logits, hidden = shared
     else:
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    position_ids=position_ids(batch.attention_mask), logits_to_keep=t + 1,
-                    output_hidden_states=with_hidden, use_cache=False)
-        logits = out.logits[:, :-1, :]  # [R, T, V]: position j predicts completion token j
-        hidden = out.hidden_states[-1][:, -t - 1:-1, :] if with_hidden else None  # [R, T, H]
+                    position_ids=position_ids(batch.attention_mask), logits_to_keep=1 if chunked else t + 1,
+                    output_hidden_states=with_hidden or chunked, use_cache=False)
+        logits = None if chunked else out.logits[:, :-1, :]  # [R, T, V]: position j predicts completion token j
+        hidden = out.hidden_states[-1][:, -t - 1:-1, :] if with_hidden or chunked else None  # [R, T, H]
+    if chunked:
+        logps, entropy = chunked_token_stats(output_head(model), hidden, batch.completion_ids, temperature,
+                                             logit_chunk, with_entropy, entropy_grad)
+        return PolicyOutput(logps, entropy, hidden if with_hidden else None)
     logits = logits / temperature  # [R, T, V]
     logps = token_logprobs(logits, batch.completion_ids)  # [R, T]
     entropy = None

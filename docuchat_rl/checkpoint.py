@@ -9,44 +9,118 @@ Layout of one checkpoint:
     trainer_state.json                               data order/position, output offsets, run id
     optimizer.bin, scheduler.bin, random_states_0.pkl   accelerate's save_state (model weights skipped)
 
-Writes go to `checkpoint-{step}.tmp/`, which is renamed when complete; then `latest` (a file holding the
-folder name) is replaced atomically, last. A crash at any point leaves the previous checkpoint and
-`latest` intact. Only the newest `keep_last` checkpoints are kept.
+    manifest.json                                    every other file with its size and sha256, written last
+
+Writes go to `checkpoint-{step}.tmp/`; every file and the folder are fsync'ed, the folder is renamed into
+place, then `latest` (a file holding the folder name) is replaced atomically, last, and the parent folder
+is fsync'ed after each rename. A crash at any point, of the process or of the machine, leaves the
+previous checkpoint and `latest` intact. Only the newest `keep_last` checkpoints are kept.
+
+`resolve_resume("latest")` verifies what it would load against the manifest (every file present, with
+its size and hash); a damaged newest checkpoint (a file deleted or truncated) is skipped for the newest
+intact one, with a warning naming what was wrong.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
+from .errors import CheckpointError, CheckpointWarning
 from .modeling import CRITIC_ADAPTER
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
+MANIFEST = "manifest.json"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_path(path.parent)  # the rename itself reaches the disk
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _seal(folder: Path) -> None:
+    """Write the manifest of every file in `folder`, then fsync every file and folder in it."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    for p in [*files, folder / MANIFEST]:
+        _fsync_path(p)
+    for d in sorted({p.parent for p in files} | {folder}, key=lambda d: -len(d.parts)):
+        _fsync_path(d)
 
 
 def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int) -> Path:
-    """`write_into(folder)` fills a temporary folder; it then becomes checkpoint-{step}."""
+    """`write_into(folder)` fills a temporary folder; sealed and synced, it then becomes checkpoint-{step}."""
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f"checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write_into(tmp)
+    _seal(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    _fsync_path(out_dir)
     _atomic_write(out_dir / LATEST, final.name + "\n")
     prune(out_dir, keep_last)
     return final
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """What is wrong with a checkpoint folder (one line), or None when every file of its manifest is
+    there with its size and hash."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return f"{folder.name} does not exist"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"{folder.name}/{MANIFEST} is missing"
+    except (OSError, ValueError) as e:
+        return f"{folder.name}/{MANIFEST} is unreadable ({e})"
+    for name, want in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{folder.name}/{name} is missing"
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            return f"{folder.name}/{name} has {size} bytes, expected {want['bytes']}"
+        if _sha256(path) != want["sha256"]:
+            return f"{folder.name}/{name} is damaged (its hash differs from the manifest's)"
+    return None
+
+
+def latest_step(out_dir: Path) -> int | None:
+    """The step of the checkpoint `latest` names, or None when there is none."""
+    pointer = Path(out_dir) / LATEST
+    if not pointer.exists():
+        return None
+    return int(pointer.read_text().strip().split("-", 1)[1])
 
 
 def list_checkpoints(out_dir: Path) -> list[Path]:
@@ -65,14 +139,30 @@ def prune(out_dir: Path, keep_last: int) -> None:
 
 
 def resolve_resume(path: str, out_dir: Path) -> Path:
-    """`latest` (the pointer in out_dir), a run folder (its latest), or a checkpoint folder."""
+    """`latest` (the pointer in out_dir) or a run folder: its newest intact checkpoint (a damaged newer
+    one is skipped with a warning); a checkpoint folder: that one, which must be intact."""
     p = Path(out_dir) if path == "latest" else Path(path)
-    if (p / LATEST).exists():
-        p = p / (p / LATEST).read_text().strip()
-    if not (p / TRAINER_STATE).exists():
-        raise FileNotFoundError(f"no checkpoint to resume at {p} (expected trainer_state.json; "
-                                f"checkpoints: {[c.name for c in list_checkpoints(Path(out_dir))]})")
-    return p
+    if not (p / LATEST).exists() and not list_checkpoints(p):
+        if not (p / TRAINER_STATE).exists():
+            raise FileNotFoundError(f"no checkpoint to resume at {p} (expected trainer_state.json; "
+                                    f"checkpoints: {[c.name for c in list_checkpoints(Path(out_dir))]})")
+        problem = verify_checkpoint(p)
+        if problem:
+            raise CheckpointError(f"cannot resume from {p}: {problem}")
+        return p
+    pointed = (p / LATEST).read_text().strip() if (p / LATEST).exists() else None
+    candidates = sorted(list_checkpoints(p), key=lambda c: (c.name == pointed, int(c.name.split("-")[1])),
+                        reverse=True)  # the one `latest` names first, then newest first
+    problems = []
+    for c in candidates:
+        problem = verify_checkpoint(c)
+        if problem is None:
+            if problems:
+                warnings.warn(f"resuming from {c.name}, the newest intact checkpoint: " + "; ".join(problems),
+                              CheckpointWarning, stacklevel=2)
+            return c
+        problems.append(problem)
+    raise CheckpointError(f"no intact checkpoint to resume in {p}: " + ("; ".join(problems) or "none there"))
 
 
 def write_json(path: Path, data: dict) -> None:

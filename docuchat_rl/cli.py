@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -56,15 +57,24 @@ def cmd_train(args) -> int:
     from .config import load_config
     from .trainer import Trainer
 
+    from .errors import Preempted
+
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, resume=args.resume)
     report: dict = {}
     do_eval = cfg.eval.before_and_after and cfg.data.test
-    if do_eval and trainer.step == 0:
-        report["before"] = trainer.evaluate()
-        print("eval before:", json.dumps(report["before"]), flush=True)
-    trainer.train()
-    trainer.close()
+    try:
+        if do_eval and trainer.step == 0:
+            report["before"] = trainer.evaluate()
+            print("eval before:", json.dumps(report["before"]), flush=True)
+        trainer.train()
+    except Preempted as p:
+        resume = ["docuchat-rl", "train", *(["--config", args.config] if args.config else []),
+                  *[a for s in args.overrides for a in ("--set", s)], "--resume", "latest"]
+        print(f"docuchat-rl: {p}; resume with: {shlex.join(resume)}", file=sys.stderr, flush=True)
+        return 128 + p.signal_number
+    finally:
+        trainer.close()
     if do_eval:
         last = trainer.last_eval
         # the periodic eval of the final step is the same evaluation: reuse it
@@ -173,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     from .audit import AuditError
     from .config import ConfigError
     from .data import DataError
-    from .errors import ModelError, TrainingError
+    from .errors import CheckpointError, CheckpointWarning, ModelError, TrainingError
+
+    plain = warnings.formatwarning  # a damaged checkpoint skipped on resume: one line, like our errors
+    warnings.formatwarning = lambda message, category, *a, **k: (
+        f"docuchat-rl: warning: {message}\n" if issubclass(category, CheckpointWarning)
+        else plain(message, category, *a, **k))
 
     try:
         if args.command == "train":
@@ -183,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             return cmd_config(args)
         return cmd_audit(args)
-    except (ConfigError, DataError, AuditError, TrainingError, ModelError, RewardError, FileNotFoundError) as e:
+    except (ConfigError, DataError, AuditError, TrainingError, ModelError, CheckpointError, RewardError,
+            FileNotFoundError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the disk: full, read-only, a size limit
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"docuchat-rl: error: could not write{where}: {e.strerror or e}; the last checkpoint is intact",
+              file=sys.stderr)
         return 2

@@ -171,12 +171,16 @@ class OptimConfig(Section):
     """Optimizer steps of linear warmup from 0."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm (null: no clipping)."""
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """A non-finite loss or gradient norm skips its optimizer step; this many skipped in a row stop the run."""
     minibatch_size: int | None = Field(None, ge=1)
     """Completions per optimizer step; null = the whole rollout batch (one step per iteration)."""
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward; gradients accumulate up to minibatch_size."""
     share_prompt: bool = True
     """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients)."""
+    logit_chunk: int | None = Field(None, ge=0)
+    """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 4096 when the vocabulary exceeds 32k tokens, else off)."""
 
 
 class CheckpointConfig(Section):

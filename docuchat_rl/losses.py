@@ -5,8 +5,12 @@ tokens and 0.0 on padding. Every aggregate divides by a normaliser given by the 
 minibatch, so summing the losses of its micro-batches gives exactly the minibatch loss (gradient
 accumulation changes nothing).
 
-Deliberately left out: fused/chunked cross-entropy kernels (Unsloth-style); the logits of a micro-batch
-are materialised, and micro_batch_size bounds that memory.
+`chunked_token_stats` scores completion positions a chunk at a time from the final hidden states, each
+chunk's logits recomputed in the backward (activation checkpointing), so a [rows, T, V] float32 tensor
+is never held: with a 151,936-token vocabulary, 16 rows x 512 tokens would be 5 GB before the backward.
+
+Deliberately left out: fused lm_head + cross-entropy kernels (Liger/Unsloth-style Triton); chunking in
+plain torch gives the same memory bound on every device.
 """
 
 from __future__ import annotations
@@ -30,6 +34,43 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of each position's distribution (differentiable). logits [R, T, V] -> [R, T]"""
     logp = torch.log_softmax(logits.float(), dim=-1)  # [R, T, V]
     return -(logp.exp() * logp).sum(-1)  # [R, T]
+
+
+def chunked_token_stats(head, hidden: torch.Tensor, ids: torch.Tensor, temperature: float, chunk: int,
+                        with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (and entropies) of `ids` from final hidden states, `chunk` positions at a time.
+
+    head: hidden [n, H] -> logits [n, V] (the model's output layer); hidden [R, T, H]; ids [R, T]
+    -> (logps [R, T] float32, entropy [R, T] or None). Each chunk runs under activation checkpointing
+    when gradients are on, so only one chunk's [chunk, V] logits exist at a time, in the forward and in
+    the backward; the gradients equal those of the whole-tensor path up to float summation order.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    r, t, h = hidden.shape
+    flat_h, flat_ids = hidden.reshape(r * t, h), ids.reshape(r * t)  # [N, H], [N]
+    want_entropy = with_entropy or entropy_grad
+
+    def stats(h_chunk: torch.Tensor, id_chunk: torch.Tensor):
+        logits = head(h_chunk).float() / temperature  # [n, V]
+        logp = token_logprobs(logits.unsqueeze(0), id_chunk.unsqueeze(0))[0]  # [n]
+        if not want_entropy:
+            return logp, None
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            return logp, token_entropy(logits.unsqueeze(0))[0]  # [n]
+
+    logps, entropies = [], []
+    for start in range(0, r * t, chunk):
+        piece = (flat_h[start:start + chunk], flat_ids[start:start + chunk])
+        if torch.is_grad_enabled() and flat_h.requires_grad:
+            logp, ent = checkpoint(stats, *piece, use_reentrant=False)
+        else:
+            logp, ent = stats(*piece)
+        logps.append(logp)
+        entropies.append(ent)
+    logps_t = torch.cat(logps).view(r, t)  # [R, T]
+    entropy = torch.cat(entropies).view(r, t) if want_entropy else None  # [R, T]
+    return logps_t, entropy
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ written twice.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -51,13 +52,23 @@ class JsonlWriter:
         if truncate_to is not None and self.path.exists():
             with open(self.path, "r+b") as f:
                 f.truncate(truncate_to)
-        self._f = open(self.path, "ab")
+        self._f = open(self.path, "ab", buffering=0)  # unbuffered: nothing is left in a buffer after a failed write
 
     def write(self, records: list[dict]) -> None:
+        """Append the records as one flushed, fsync'ed write; a write that fails (a full disk) is cut
+        back to the previous end of the file before the error goes up, so no partial line stays."""
         data = "".join(json.dumps(_clean(r), ensure_ascii=False) + "\n" for r in records).encode()
-        self._f.write(data)
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        start = self._f.tell()
+        try:
+            view = memoryview(data)
+            while view:  # a raw write may be short (a size limit reached mid-write)
+                view = view[self._f.write(view):]
+            os.fsync(self._f.fileno())
+        except OSError:
+            with contextlib.suppress(OSError):
+                self._f.seek(start)
+                self._f.truncate(start)
+            raise
 
     @property
     def offset(self) -> int:
@@ -77,3 +88,46 @@ def read_jsonl(path: str | Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+class RunLock:
+    """One live run per output folder: an exclusive `flock` on `<output_dir>/.lock`, held while the run
+    lives. The kernel drops it when the process dies, `kill -9` included, so a killed run never leaves a
+    stale lock; the file keeps the holder's pid for the error message."""
+
+    NAME = ".lock"
+
+    def __init__(self, out_dir: Path):
+        import fcntl
+
+        self.path = Path(out_dir) / self.NAME
+        self._f = open(self.path, "a+")
+        try:
+            fcntl.flock(self._f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._f.seek(0)
+            holder = self._f.read().strip() or "unknown"
+            self._f.close()
+            raise RuntimeError(f"run.output_dir {out_dir} is in use by a live run (pid {holder}); wait for it, "
+                               "stop it, or choose another run.output_dir") from None
+        self._f.seek(0)
+        self._f.truncate()
+        self._f.write(f"{os.getpid()}\n")
+        self._f.flush()
+
+    def release(self) -> None:
+        if not self._f.closed:
+            self._f.close()  # closing the file drops the flock
+
+
+def check_writable(out_dir: Path) -> None:
+    """Create `out_dir` (and its parents) and write a probe file there; raise RuntimeError naming the
+    folder when that fails, so a run never loads a model only to fail at its first checkpoint."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-probe-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise RuntimeError(f"run.output_dir {out_dir} is not writable: {e.strerror or e}") from None

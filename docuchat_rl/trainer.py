@@ -23,6 +23,12 @@ for the rollout.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import random
+import signal
+import sys
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -35,14 +41,14 @@ from rewards import CompositeReward
 
 from .algorithms import get_algorithm_class
 from .batch import Batch, policy_forward
-from .checkpoint import load_training_state, resolve_resume, save_checkpoint, write_training_state
+from .checkpoint import latest_step, load_training_state, resolve_resume, save_checkpoint, write_training_state
 from .config import Config
-from .errors import TrainingError
 from .data import DataError, Example, PromptSampler, load_examples, render_prompt
+from .errors import Preempted, TrainingError
 from .losses import Normalisers
 from .modeling import (CRITIC_ADAPTER, active_adapter, add_critic_adapter, build_lora, disable_dropout,
                        load_model_and_tokenizer)
-from .outputs import JsonlWriter, claim_output_dir
+from .outputs import JsonlWriter, RunLock, check_writable, claim_output_dir
 from .rollout import Collector, Rollout, Timer
 
 __all__ = ["Trainer", "TrainingError", "Timer"]
@@ -63,13 +69,26 @@ def build_optimizer(params, cfg: Config, total_updates: int):
 
 class Trainer:
     def __init__(self, cfg: Config, resume: str | None = None, examples: list[Example] | None = None):
+        self.cfg = cfg
+        self.out_dir = Path(cfg.run.output_dir)
+        # every check of the output folder and the checkpoint comes before anything is loaded
+        resume_dir = resolve_resume(resume, self.out_dir) if resume else None
+        try:
+            check_writable(self.out_dir)
+            self._lock = RunLock(self.out_dir)
+        except RuntimeError as e:
+            raise TrainingError(str(e)) from None
+        try:
+            self._setup(cfg, resume_dir, examples)
+        except BaseException:
+            self._lock.release()  # a run that failed to start holds nothing
+            raise
+
+    def _setup(self, cfg: Config, resume_dir: Path | None, examples: list[Example] | None) -> None:
         from accelerate import Accelerator
         from transformers import set_seed
 
-        self.cfg = cfg
-        self.out_dir = Path(cfg.run.output_dir)
-        resume_dir = resolve_resume(resume, self.out_dir) if resume else None  # fail before loading anything
-        if not resume:
+        if resume_dir is None:
             try:
                 claim_output_dir(self.out_dir, cfg.run.overwrite)
             except ValueError as e:
@@ -90,6 +109,9 @@ class Trainer:
         if cfg.model.disable_dropout:
             disable_dropout(model)
         self.context_len = getattr(model.config, "max_position_embeddings", None)
+        chunk = cfg.optim.logit_chunk
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.logit_chunk = chunk if chunk is not None else (4096 if vocab > 32768 else 0)
         self.model = build_lora(model, cfg.lora)
         self.algo = get_algorithm_class(cfg.algorithm.name)(cfg, model.config.hidden_size)
         critic = self.algo.critic
@@ -118,19 +140,23 @@ class Trainer:
         self._check_lengths(prompt_texts)
         self.reward = CompositeReward([c.model_dump() for c in cfg.rewards.components],
                                       strict=cfg.rewards.strict, timeout_s=cfg.rewards.timeout_s)
-        self.step, self.run_id = 0, uuid.uuid4().hex[:12]
+        self.step, self.run_id, self.nonfinite_streak = 0, uuid.uuid4().hex[:12], 0
         sampler = PromptSampler(len(self.examples), cfg.run.seed)
         offsets = {}
         if resume_dir:
             state = load_training_state(resume_dir, model=self.unwrapped, critic=critic,
                                         separate_critic=self.separate_critic, accelerator=self.accelerator)
             self.step, self.run_id, offsets = state["step"], state["run_id"], state["offsets"]
+            self.nonfinite_streak = state.get("nonfinite_streak", 0)
             sampler = PromptSampler(len(self.examples), cfg.run.seed, **state["sampler"])
         self.collector = Collector(cfg.rollout, self.tokenizer, self.examples, prompt_texts, self.reward, sampler)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets.get("traces"))
         self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets.get("metrics"))
         self.evals = JsonlWriter(self.out_dir / "eval.jsonl", offsets.get("evals"))
+        phase_file = os.environ.get("DOCUCHAT_RL_PHASE_FILE")
+        self._phase_fd = os.open(phase_file, os.O_WRONLY | os.O_CREAT, 0o644) if phase_file else None
+        self._stop: signal.Signals | None = None
         self._eval_examples: list[Example] | None = None
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
         self.wandb = self._init_wandb()
@@ -179,7 +205,8 @@ class Trainer:
         """policy_forward, plus the hidden states the critic reads: the same forward's (shared backbone)
         or a second forward through the critic's own adapter (separate backbone)."""
         critic = self.algo.critic is not None
-        kw.update(temperature=self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt)
+        kw.update(temperature=self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt,
+                  logit_chunk=self.logit_chunk)
         out = policy_forward(model, mb, with_hidden=critic and not self.separate_critic, **kw)
         if critic and self.separate_critic:
             with active_adapter(self.unwrapped, CRITIC_ADAPTER, self.params):
@@ -198,7 +225,8 @@ class Trainer:
             for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
                 mb = batch.select(rows)
                 out = self.forward(model, mb) if values else policy_forward(
-                    model, mb, self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt)
+                    model, mb, self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt,
+                    logit_chunk=self.logit_chunk)
                 logps[rows, :out.logps.shape[1]] = out.logps
                 if values:
                     vals[rows, :out.logps.shape[1]] = self.algo.critic(out.hidden)
@@ -221,12 +249,14 @@ class Trainer:
     def update(self, batch: Batch, timer: Timer) -> dict[str, float]:
         """`num_iterations` passes of a fixed number of optimizer steps over the batch. An under-filled
         batch (dynamic sampling out of rounds) is split into as many minibatches as a full one, so the
-        schedule's horizon and the steps per rollout never change."""
+        schedule's horizon and the steps per rollout never change. A minibatch whose loss or gradient
+        norm is not finite is not applied (`nonfinite_skipped`); `optim.max_nonfinite_steps` of them in a
+        row stop the run."""
         cfg = self.cfg
         sums: dict[str, float] = defaultdict(float)
         maxima: dict[str, float] = {}
         weight = 0.0
-        grad_norms, losses = [], []
+        grad_norms, losses, skipped = [], [], 0
         self.model.train()
         with timer("update"):
             for _ in range(cfg.algorithm.num_iterations):
@@ -250,15 +280,27 @@ class Trainer:
                                 sums[k] += v * w
                         weight += w
                     max_norm = cfg.optim.max_grad_norm or float("inf")
-                    grad_norms.append(float(self.accelerator.clip_grad_norm_(self.params, max_norm)))
-                    self.optimizer.step()
+                    grad_norm = float(self.accelerator.clip_grad_norm_(self.params, max_norm))
+                    if math.isfinite(grad_norm) and math.isfinite(total):
+                        self.optimizer.step()
+                        self.nonfinite_streak = 0
+                        grad_norms.append(grad_norm)
+                        losses.append(total)
+                    else:  # skip: no weight or optimizer-state change; the schedule keeps its pace
+                        skipped += 1
+                        self.nonfinite_streak += 1
+                        if self.nonfinite_streak >= cfg.optim.max_nonfinite_steps:
+                            raise TrainingError(
+                                f"step {self.step + 1}: {self.nonfinite_streak} optimizer steps in a row had a "
+                                f"non-finite loss ({total}) or gradient norm ({grad_norm}); stopped (the last "
+                                f"checkpoint is intact; optim.max_nonfinite_steps is {cfg.optim.max_nonfinite_steps})")
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
-                    losses.append(total)
         out = {k: v / max(weight, 1.0) for k, v in sums.items()}
         out.update(maxima)
-        out.update(loss=float(np.mean(losses)), grad_norm=float(np.mean(grad_norms)),
-                   lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses))
+        out.update(loss=float(np.mean(losses)) if losses else None,
+                   grad_norm=float(np.mean(grad_norms)) if grad_norms else None,
+                   lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses), nonfinite_skipped=skipped)
         return out
 
     # ---------------------------------------------------------------- log and checkpoint
@@ -293,6 +335,7 @@ class Trainer:
 
     def checkpoint(self, step: int) -> Path:
         trainer_state = {"step": step, "run_id": self.run_id, "sampler": self.collector.sampler.state(),
+                         "nonfinite_streak": self.nonfinite_streak,
                          "offsets": {"traces": self.traces.offset, "metrics": self.metrics.offset,
                                      "evals": self.evals.offset}}
         return save_checkpoint(self.out_dir, step, lambda folder: write_training_state(
@@ -315,8 +358,66 @@ class Trainer:
         return evaluate(self.unwrapped, self.tokenizer, self.cfg, self.held_out())
 
     # ---------------------------------------------------------------- the loop
+    # ---------------------------------------------------------------- preemption
+    @contextlib.contextmanager
+    def _signals(self):
+        """SIGTERM / SIGINT (Slurm and Kubernetes send SIGTERM before killing) ask the loop to stop at its
+        next safe point; a second signal stops at once (KeyboardInterrupt), the last checkpoint intact."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def ask(signum, frame):
+            if self._stop is not None:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            self._stop = signal.Signals(signum)
+            print(f"docuchat-rl: {self._stop.name} received: stopping at the next safe point "
+                  "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+        previous = {s: signal.signal(s, ask) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _snapshot(self) -> dict:
+        """What a step draws from before its update: the random states and the data position."""
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {"rng": rng, "sampler": self.collector.sampler.state()}
+
+    def _restore(self, snap: dict) -> None:
+        rng = snap["rng"]
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.collector.sampler = PromptSampler(len(self.examples), self.cfg.run.seed, **snap["sampler"])
+
+    def _stop_here(self) -> None:
+        """Checkpoint the last finished step if `latest` is older, and raise Preempted."""
+        latest = latest_step(self.out_dir)
+        folder = None
+        if self.step > 0 and (latest is None or latest < self.step):
+            folder = self.checkpoint(self.step).name
+        elif latest is not None:
+            folder = f"checkpoint-{latest}"
+        raise Preempted(self._stop.name, int(self._stop), self.step, folder)
+
+    def _phase(self, name: str) -> None:
+        """Where the loop is, for the fault soak (scripts/fault_soak.py sets DOCUCHAT_RL_PHASE_FILE)."""
+        if self._phase_fd is not None:
+            os.pwrite(self._phase_fd, f"{name:<12}".encode(), 0)
+
+    # ---------------------------------------------------------------- the loop
     def train(self, stop_after: int | None = None) -> list[dict]:
-        """Run to `run.steps` (or stop after step `stop_after`, for tests). Returns the metric records."""
+        """Run to `run.steps` (or stop after step `stop_after`, for tests). Returns the metric records.
+        Raises Preempted after SIGTERM/SIGINT, at the next safe point: before a step's update (the step is
+        dropped and replayed on resume, its random draws and data position rewound) or after a step."""
         cfg, history = self.cfg, []
         bar = None
         if cfg.logging.progress and self.accelerator.is_main_process:
@@ -324,31 +425,46 @@ class Trainer:
 
             bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", dynamic_ncols=True)
         started = time.perf_counter()
-        for step in range(self.step + 1, cfg.run.steps + 1):
-            timer = Timer()
-            rollout = self.collect(timer)  # rollout + score
-            with timer("prepare"):
-                batch = self.prepare(rollout)
-            extra = self.advantages(batch, timer)
-            extra.update(self.update(batch, timer))
-            if cfg.eval.every and cfg.data.test and step % cfg.eval.every == 0:
-                self.last_eval = {"step": step, "minutes": round((time.perf_counter() - started) / 60, 3),
-                                  **self.evaluate()}
-                self.evals.write([self.last_eval])
-                extra["eval/accuracy"] = self.last_eval.get("accuracy")
-            m = self.log(step, rollout, batch, extra, timer)
-            history.append(m)
-            self.step = step
-            if step % cfg.checkpoint.every == 0 or step == cfg.run.steps:
-                self.checkpoint(step)
+        self._stop = None
+        try:
+            with self._signals():
+                for step in range(self.step + 1, cfg.run.steps + 1):
+                    timer, snapshot = Timer(), self._snapshot()
+                    self._phase("rollout")
+                    rollout = self.collect(timer)  # rollout + score
+                    with timer("prepare"):
+                        batch = self.prepare(rollout)
+                    extra = self.advantages(batch, timer)
+                    if self._stop is not None:  # safe point: nothing of this step is applied or written yet
+                        self._restore(snapshot)
+                        self._stop_here()
+                    self._phase("update")
+                    extra.update(self.update(batch, timer))
+                    if cfg.eval.every and cfg.data.test and step % cfg.eval.every == 0:
+                        self._phase("eval")
+                        self.last_eval = {"step": step, "minutes": round((time.perf_counter() - started) / 60, 3),
+                                          **self.evaluate()}
+                        self.evals.write([self.last_eval])
+                        extra["eval/accuracy"] = self.last_eval.get("accuracy")
+                    self._phase("log")
+                    m = self.log(step, rollout, batch, extra, timer)
+                    history.append(m)
+                    self.step = step
+                    if step % cfg.checkpoint.every == 0 or step == cfg.run.steps:
+                        self._phase("checkpoint")
+                        self.checkpoint(step)
+                    self._phase("idle")
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy') or 0:.3f}",
+                                        tok_s=f"{m['rollout_tokens_per_s'] or 0:.0f}")
+                    if self._stop is not None:  # safe point: the step is finished
+                        self._stop_here()
+                    if stop_after is not None and step >= stop_after:
+                        break
+        finally:
             if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy') or 0:.3f}",
-                                tok_s=f"{m['rollout_tokens_per_s'] or 0:.0f}")
-            if stop_after is not None and step >= stop_after:
-                break
-        if bar is not None:
-            bar.close()
+                bar.close()
         return history
 
     def close(self) -> None:
@@ -356,3 +472,7 @@ class Trainer:
             writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self._phase_fd is not None:
+            os.close(self._phase_fd)
+            self._phase_fd = None
+        self._lock.release()

@@ -1,5 +1,6 @@
 """Per-token log-probs of the training forward equal those seen during generation and an unpadded loop."""
 
+import pytest
 import torch
 
 from docuchat_rl.batch import build_batch, policy_forward
@@ -131,3 +132,58 @@ def test_shared_prompt_forward_skips_itself_when_no_group_repeats(tiny):
     with torch.no_grad():
         shared = _shared_prompt_forward(model, _group_batch(tok, [0, 0, 1]), False)
     assert shared is not None and shared[0].shape[0] == 3
+
+
+def _tiny_arch(name, tok):
+    """Tiny random-weight configs of real architectures with the default model's tokenizer."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if name == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=True))
+    if name == "gemma2":  # final-logit soft-capping: the chunked head must apply it too
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=3.0))
+    if name == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=8))
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=512))
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("arch", ["default", "qwen2", "gemma2", "mistral", "gpt2"])
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared-prompt"])
+def test_chunked_log_probs_equal_the_full_logits_path_with_gradients(tiny, arch, share):
+    """logit_chunk scores a few positions at a time from the hidden states (never all [R, T, V] logits):
+    log-probs, entropies and LoRA gradients (lm_head included) equal the whole-tensor path."""
+    from peft import LoraConfig, get_peft_model
+
+    base, tok = tiny
+    model = base if arch == "default" else _tiny_arch(arch, tok)
+    targets = ["c_attn", "lm_head"] if arch == "gpt2" else ["q_proj", "v_proj", "lm_head"]
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
+    pm.eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    try:
+        batch = _group_batch(tok, [0, 0, 1, 1, 1])
+        results = []
+        for chunk in (0, 7):  # 7 positions per chunk: chunks cut across rows
+            pm.zero_grad()
+            out = policy_forward(pm, batch, temperature=0.9, with_entropy=True, share_prompt=share,
+                                 logit_chunk=chunk)
+            (out.logps * batch.completion_mask).sum().backward()
+            results.append((out, {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}))
+        (full, g0), (chunked, g1) = results
+        m = batch.completion_mask.bool()
+        assert torch.allclose(full.logps[m], chunked.logps[m], atol=1e-5)
+        assert torch.allclose(full.entropy[m], chunked.entropy[m], atol=1e-5)
+        assert g0.keys() == g1.keys() and any("lm_head" in n for n in g0)
+        for n in g0:
+            assert (g0[n] - g1[n]).norm() <= 1e-5 * g0[n].norm() + 1e-8, n
+    finally:
+        pm.unload()
