@@ -80,9 +80,14 @@ def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int) -> Pat
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f"checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    write_into(tmp)
-    _seal(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        write_into(tmp)
+        _seal(tmp)
+    except (OSError, RuntimeError) as e:  # a full disk: torch's serializer reports it as a RuntimeError
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise CheckpointError(f"could not write {final.name} in {out_dir}: {first}; the previous checkpoint "
+                              "and `latest` are intact") from e
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_path(out_dir)

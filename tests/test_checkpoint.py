@@ -4,6 +4,7 @@ write that leaves the previous checkpoint in charge."""
 import pytest
 
 from docuchat_rl.checkpoint import LATEST, list_checkpoints, resolve_resume, save_checkpoint
+from docuchat_rl.errors import CheckpointError
 
 
 def _writer(step):
@@ -29,7 +30,7 @@ def test_a_write_that_fails_leaves_the_previous_checkpoint_and_latest(tmp_path):
         (folder / "trainer_state.json").write_text("{")
         raise OSError("No space left on device")
 
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match="could not write checkpoint-2 .*No space left on device; the previous"):
         save_checkpoint(tmp_path, 2, broken, keep_last=3)
     assert (tmp_path / LATEST).read_text().strip() == "checkpoint-1"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]  # the .tmp folder is not one
@@ -47,3 +48,19 @@ def test_resolve_resume_accepts_latest_a_run_folder_or_a_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no checkpoint to resume .*checkpoint-5', 'checkpoint-10'"):
         resolve_resume(str(tmp_path / "checkpoint-7"), tmp_path)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-5", "checkpoint-10"]  # numeric order
+
+
+def test_the_manifest_covers_every_file_and_catches_a_same_size_change(tmp_path):
+    from docuchat_rl.checkpoint import MANIFEST, verify_checkpoint
+
+    final = save_checkpoint(tmp_path, 1, _writer(7), keep_last=3)
+    import json
+
+    manifest = json.loads((final / MANIFEST).read_text())
+    assert sorted(manifest) == sorted(p.name for p in final.iterdir() if p.name != MANIFEST)
+    assert verify_checkpoint(final) is None
+    blob = final / "adapter_model.safetensors"
+    blob.write_bytes(b"y" * 7)  # same size, other bytes: only the hash can tell
+    assert "damaged" in verify_checkpoint(final)
+    blob.unlink()
+    assert verify_checkpoint(final) == "checkpoint-1/adapter_model.safetensors is missing"

@@ -31,3 +31,8 @@ def slow(prompts, completions, **kwargs):
 def uses_level(prompts, completions, level, **kwargs):
     """Reads a data set column the trainer passes through (`level`)."""
     return [float(x) for x in level]
+
+
+def huge(prompts, completions, **kwargs):
+    """A finite score whose weighted total overflows float32 (3e38 x weight 10): the loss turns NaN."""
+    return [3e38] * len(completions)
