@@ -1,7 +1,10 @@
-"""`docuchat-rl` command line: train, eval, audit, config.
+"""`docuchat-rl` command line: train, eval, generate, chat, export, audit, config.
 
     docuchat-rl train --config config/default.yaml [--set section.key=value ...] [--resume latest]
     docuchat-rl eval  --config config/default.yaml [--adapter runs/default/checkpoint-200] [--out eval.json]
+    docuchat-rl generate --adapter runs/default/checkpoint-200 --prompt "..." [--compare] [--score] [--json]
+    docuchat-rl chat --adapter runs/default/checkpoint-200
+    docuchat-rl export --adapter runs/default/checkpoint-200 --out exported/
     docuchat-rl config --config config/default.yaml --explain
 """
 
@@ -32,6 +35,38 @@ def parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter) to apply")
     e.add_argument("--out", default=None, help="write the JSON here as well as to stdout")
+    g = sub.add_parser("generate", help="sample from the base model, a checkpoint's adapter, or both side by side",
+                       description="Completions for prompts given here, in a file (.jsonl with the configured "
+                       "prompt column, or .txt, one per line) or from the held-out set, through the configured "
+                       "chat template and system prompt. Without --config, a checkpoint's own run_config.json "
+                       "is used.")
+    _common(g)
+    g.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter); none: the base model")
+    g.add_argument("--compare", action="store_true", help="with --adapter: the base model's completions too")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a question (repeatable)")
+    src.add_argument("--file", help="a .jsonl (prompt column, answer column if any) or .txt file of prompts")
+    src.add_argument("--held-out", type=int, metavar="N", help="the first N rows of data.test (with gold answers)")
+    g.add_argument("--n", type=int, default=1, help="completions per prompt (more than 1 samples)")
+    g.add_argument("--sample", action="store_true", help="sample with rollout.temperature/top_p/top_k (default greedy)")
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (implies --sample)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus mass (implies --sample)")
+    g.add_argument("--top-k", type=int, default=None, help="top-k (implies --sample)")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens or rollout's")
+    g.add_argument("--score", action="store_true", help="score each completion with the configured rewards")
+    g.add_argument("--json", action="store_true", help="one JSON record per completion, one per line")
+    ch = sub.add_parser("chat", help="an interactive multi-turn chat with the base model or a checkpoint")
+    _common(ch)
+    ch.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter)")
+    ch.add_argument("--sample", action="store_true", help="sample (default greedy)")
+    ch.add_argument("--temperature", type=float, default=None)
+    ch.add_argument("--max-new-tokens", type=int, default=256)
+    x = sub.add_parser("export", help="merge a checkpoint's adapter into the base model: a standalone HF folder")
+    _common(x)
+    x.add_argument("--adapter", required=True, help="the checkpoint folder to merge")
+    x.add_argument("--out", required=True, help="a new folder for the merged model")
+    x.add_argument("--dtype", default="base", choices=["base", "float32", "bfloat16", "float16"],
+                   help="weights dtype of the export (base: the base checkpoint's own)")
     a = sub.add_parser("audit", help="summaries, filters, reward-hacking detectors, compare, HTML report of traces",
                        description="Audit reward traces. Filters are DuckDB SQL expressions over the trace "
                        "fields and one struct per reward component, e.g. --where \"correctness.raw == 0 and "
@@ -92,20 +127,140 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from .config import load_config
     from .evaluate import evaluate
-    from .modeling import load_model_and_tokenizer
+    from .inference import load_policy
 
     cfg = load_config(args.config, args.overrides)
-    m = cfg.model
-    model, tok = load_model_and_tokenizer(m.name_or_path, m.dtype, m.device, m.trust_remote_code, m.revision)
-    if args.adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, args.adapter)
-    result = {"model": m.name_or_path, "adapter": args.adapter, **evaluate(model, tok, cfg)}
+    model, tok = load_policy(cfg, args.adapter)
+    result = {"model": cfg.model.name_or_path, "adapter": args.adapter, **evaluate(model, tok, cfg)}
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    return 0
+
+
+def _config_for(args):
+    """--config, else the checkpoint's own run_config.json, else the defaults; then --set."""
+    from .config import config_from_dict, load_config
+    from .inference import config_of_checkpoint
+
+    if args.config is None and getattr(args, "adapter", None):
+        raw = config_of_checkpoint(args.adapter)
+        if raw is not None:
+            return config_from_dict(raw, args.overrides)
+    return load_config(args.config, args.overrides)
+
+
+def _sampling(args, cfg) -> dict:
+    explicit = [v is not None for v in (args.temperature, getattr(args, "top_p", None), getattr(args, "top_k", None))]
+    do_sample = args.sample or any(explicit) or getattr(args, "n", 1) > 1
+    r = cfg.rollout
+    return {"do_sample": do_sample,
+            "temperature": r.temperature if args.temperature is None else args.temperature,
+            "top_p": r.top_p if getattr(args, "top_p", None) is None else args.top_p,
+            "top_k": r.top_k if getattr(args, "top_k", None) is None else args.top_k}
+
+
+def _examples(args, cfg):
+    from .data import DataError, Example, load_examples
+
+    if args.prompt:
+        return [Example(i, p, "") for i, p in enumerate(args.prompt)]
+    if args.held_out:
+        if not cfg.data.test:
+            raise DataError("--held-out: data.test is null")
+        d = cfg.data
+        return load_examples(d.test, d.test_split, d.prompt_column, d.answer_column, limit=args.held_out,
+                             revision=d.revision, subset=d.subset)
+    path = Path(args.file)
+    if path.suffix.lower() == ".txt":
+        if not path.exists():
+            raise DataError(f"prompt file not found: {path}")
+        lines = [x.strip() for x in path.read_text().splitlines() if x.strip()]
+        if not lines:
+            raise DataError(f"prompt file {path} has no prompts")
+        return [Example(i, q, "") for i, q in enumerate(lines)]
+    from .data import load_table
+
+    table = load_table(str(path), "train")
+    if cfg.data.prompt_column not in table.column_names:
+        raise DataError(f"{path}: column {cfg.data.prompt_column!r} (data.prompt_column) not found; "
+                        f"columns are {table.column_names}")
+    if cfg.data.answer_column in table.column_names:
+        return load_examples(str(path), "train", cfg.data.prompt_column, cfg.data.answer_column)
+    return [Example(i, str(row[cfg.data.prompt_column]), "") for i, row in enumerate(table)]
+
+
+def cmd_generate(args) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.panel import Panel
+
+    from rewards import CompositeReward
+
+    from .inference import load_policy, sample_records
+    from .report import print_records
+
+    cfg = _config_for(args)
+    if args.compare and not args.adapter:
+        print("docuchat-rl: error: --compare needs --adapter (it shows the base model beside the adapter)",
+              file=sys.stderr)
+        return 2
+    examples = _examples(args, cfg)
+    model, tok = load_policy(cfg, args.adapter)
+    reward = None
+    if args.score:
+        reward = CompositeReward([c.model_dump() for c in cfg.rewards.components], strict=cfg.rewards.strict,
+                                 timeout_s=cfg.rewards.timeout_s)
+    kw = dict(n=args.n, max_new_tokens=args.max_new_tokens or cfg.eval.max_new_tokens, reward=reward,
+              **_sampling(args, cfg))
+    runs = [("base", True), ("adapter", False)] if args.compare else [("adapter" if args.adapter else "base", False)]
+    records = []
+    for label, base in runs:
+        for rec in sample_records(model, tok, cfg, examples, base=base, **kw):
+            records.append({"model": label, **rec})
+    if args.compare:  # side by side: each prompt's base completions, then its adapter's
+        records.sort(key=lambda r: (r["prompt_id"], r["sample"], r["model"] != "base"))
+    if args.json:
+        for r in records:
+            print(json.dumps(r, ensure_ascii=False))
+        return 0
+    console = Console()
+    names = [c.name for c in cfg.rewards.components]
+    for r in records:
+        if args.score:
+            print_records([{**r, **r["rewards"]}], names, console)
+        else:
+            head = f"model {r['model']}  prompt {r['prompt_id']}  sample {r['sample']}  tokens {r['completion_tokens']}"
+            console.print(Panel.fit(f"[bold]prompt[/]\n{escape(r['prompt'])}\n[bold]completion[/]\n"
+                                    f"{escape(r['completion'])}", title=head, title_align="left"))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .inference import chat, load_policy
+
+    cfg = _config_for(args)
+    model, tok = load_policy(cfg, args.adapter)
+    s = _sampling(args, cfg)
+    def show(text: str) -> None:
+        print(text, end="", flush=True)
+
+    def ask(prompt: str) -> str:  # the prompt on stdout (input() puts it on stderr when both are terminals)
+        show(prompt)
+        return input()
+
+    chat(model, tok, cfg, ask, show, max_new_tokens=args.max_new_tokens, **s)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .inference import export_merged
+
+    cfg = _config_for(args)
+    out = export_merged(cfg, args.adapter, args.out, args.dtype)
+    print(f"exported {args.adapter} merged into {cfg.model.name_or_path} -> {out} "
+          "(load it with AutoModelForCausalLM.from_pretrained)")
     return 0
 
 
@@ -197,9 +352,15 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_eval(args)
         if args.command == "config":
             return cmd_config(args)
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "chat":
+            return cmd_chat(args)
+        if args.command == "export":
+            return cmd_export(args)
         return cmd_audit(args)
     except (ConfigError, DataError, AuditError, TrainingError, ModelError, CheckpointError, RewardError,
-            FileNotFoundError) as e:
+            FileNotFoundError, FileExistsError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the disk: full, read-only, a size limit

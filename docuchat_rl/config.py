@@ -180,7 +180,7 @@ class OptimConfig(Section):
     share_prompt: bool = True
     """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients)."""
     logit_chunk: int | None = Field(None, ge=0)
-    """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 4096 when the vocabulary exceeds 32k tokens, else off)."""
+    """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 1024 when the vocabulary exceeds 32k tokens, else off)."""
 
 
 class CheckpointConfig(Section):
@@ -383,6 +383,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    return config_from_dict(raw, overrides)
+
+
+def config_from_dict(raw: dict, overrides: list[str] | None = None) -> Config:
+    """Validate a raw config mapping (a recipe, or a checkpoint's run_config.json) after the overrides."""
+    raw = dict(raw)
     for assignment in overrides or []:
         apply_override(raw, assignment)
     try:

@@ -84,9 +84,13 @@ def print_records(rows: list[dict], components: list[str], console=None) -> None
             t.add_row(escape(c), _fmt(s.get("raw")), _fmt(s.get("weight")), _fmt(s.get("weighted")),
                       escape(s.get("error") or ""),
                       escape(info if isinstance(info, str) else json.dumps(info, ensure_ascii=False)))
-        head = (f"step {r.get('step')}  prompt {r.get('prompt_id')}  group {r.get('group')}/{r.get('sample')}  "
-                f"total {_fmt(r.get('total'))}  advantage {_fmt(r.get('advantage'))}  "
-                f"tokens {r.get('completion_tokens')}{'  TRUNCATED' if r.get('truncated') else ''}")
+        fields = [("model", r.get("model")), ("step", r.get("step")), ("prompt", r.get("prompt_id")),
+                  ("group", None if r.get("group") is None and r.get("step") is None else f"{r.get('group')}/{r.get('sample')}"),
+                  ("sample", r.get("sample") if r.get("step") is None else None),
+                  ("total", None if r.get("total") is None else _fmt(r.get("total"))),
+                  ("advantage", None if r.get("advantage") is None else _fmt(r.get("advantage"))),
+                  ("tokens", r.get("completion_tokens"))]
+        head = "  ".join(f"{k} {v}" for k, v in fields if v is not None) + ("  TRUNCATED" if r.get("truncated") else "")
         body = (f"[bold]prompt[/]\n{escape(r.get('prompt') or '')}\n[bold]completion[/]\n"
                 f"{escape(r.get('completion') or '')}\n[bold]gold[/] {escape(str(r.get('gold')))}")
         console.print(Panel.fit(body, title=head, title_align="left"))

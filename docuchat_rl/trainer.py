@@ -111,7 +111,7 @@ class Trainer:
         self.context_len = getattr(model.config, "max_position_embeddings", None)
         chunk = cfg.optim.logit_chunk
         vocab = model.get_output_embeddings().weight.shape[0]
-        self.logit_chunk = chunk if chunk is not None else (4096 if vocab > 32768 else 0)
+        self.logit_chunk = chunk if chunk is not None else (1024 if vocab > 32768 else 0)
         self.model = build_lora(model, cfg.lora)
         self.algo = get_algorithm_class(cfg.algorithm.name)(cfg, model.config.hidden_size)
         critic = self.algo.critic

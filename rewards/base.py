@@ -92,6 +92,9 @@ class FunctionReward(Reward):
 
 
 _REGISTRY: dict[str, type[Reward]] = {}
+# names whose class lives outside this package (in the engine, with torch), imported on first use so that
+# this package and config validation stay torch-free: name -> "package.module:Class"
+_ELSEWHERE: dict[str, str] = {"reward_model": "docuchat_rl.reward_models:RewardModel"}
 
 
 def register(name: str) -> Callable[[type[Reward]], type[Reward]]:
@@ -108,12 +111,16 @@ def register(name: str) -> Callable[[type[Reward]], type[Reward]]:
 
 
 def registered() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(_ELSEWHERE))
 
 
 def resolve_reward(name: str) -> type[Reward] | Callable:
     """A registered reward class, or the object behind a dotted path `package.module:attribute`."""
     if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name in _ELSEWHERE:
+        module = _ELSEWHERE[name].partition(":")[0]
+        importlib.import_module(module)  # registers it
         return _REGISTRY[name]
     if ":" in name:
         module, _, attr = name.partition(":")

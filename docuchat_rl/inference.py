@@ -1,0 +1,181 @@
+"""Use what was trained: sample from a checkpoint (or the base model, or both), chat with it, export it.
+
+- `load_policy`: the base model with a checkpoint's LoRA adapter on top (peft), or the base alone.
+- `sample_records`: completions for a list of questions, through the same chat template, system prompt,
+  sampler and reward inputs as training, as records shaped like the audit's (prompt, completion, gold,
+  tokens, truncated, and each reward component's raw/weight/weighted/error/info when scored).
+- `chat`: a multi-turn loop over a line-based console (the model's chat template; /reset, /exit).
+- `export_merged`: the adapter merged into the base weights (peft's merge, in the base dtype) and saved as
+  a standalone Hugging Face model folder that plain `AutoModelForCausalLM` (and so vLLM or any server)
+  loads, with the tokenizer, chat template, a generation config holding only the sampling settings the
+  run trained with, and a model card.
+
+Deliberately left out: serving (an exported folder is what servers take) and quantised export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Callable
+
+from .config import Config
+from .data import Example, render_prompt
+from .generation import generate
+from .modeling import load_model_and_tokenizer
+
+
+def config_of_checkpoint(adapter: str | Path) -> dict | None:
+    """The resolved config a checkpoint was trained with (`run_config.json`), if it has one."""
+    path = Path(adapter) / "run_config.json"
+    return json.loads(path.read_text())["config"] if path.exists() else None
+
+
+def load_policy(cfg: Config, adapter: str | Path | None, dtype: str | None = None):
+    """(model, tokenizer): the configured base model, with the checkpoint's adapter when given."""
+    m = cfg.model
+    model, tok = load_model_and_tokenizer(m.name_or_path, dtype or m.dtype, m.device, m.trust_remote_code,
+                                          m.revision)
+    if adapter is not None:
+        from peft import PeftModel
+
+        if not (Path(adapter) / "adapter_config.json").exists():
+            raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (give a checkpoint folder)")
+        model = PeftModel.from_pretrained(model, str(adapter))
+    return model.eval(), tok
+
+
+def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int = 1, do_sample: bool = False,
+                   temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int | None = None,
+                   reward=None, base: bool = False) -> list[dict]:
+    """`n` completions per example (greedy when not `do_sample`); scored by `reward` (a CompositeReward)
+    when given. `base` runs a peft model with its adapter disabled."""
+    from .rollout import score
+
+    prompts = [render_prompt(tok, e.question, cfg.data.system_prompt) for e in examples]
+    ctx = model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
+    with ctx:
+        gen = generate(model, tok, prompts, max_new_tokens=max_new_tokens or cfg.rollout.max_new_tokens,
+                       do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
+                       batch_size=cfg.eval.batch_size, num_return_sequences=n, engine=cfg.rollout.engine)
+    texts = tok.batch_decode(gen.completion_ids, skip_special_tokens=True)
+    rows = [e for e in examples for _ in range(n)]
+    result = score(reward, rows, texts, gen) if reward is not None else None
+    records = []
+    for i, (e, text) in enumerate(zip(rows, texts)):
+        rec = {"prompt_id": e.prompt_id, "sample": i % n, "prompt": e.question, "completion": text,
+               "gold": e.answer or None, "completion_tokens": len(gen.completion_ids[i]),
+               "truncated": gen.truncated[i]}
+        if result is not None:
+            r = result.records[i]
+            rec.update(total=r.total, total_missing=r.total_missing,
+                       rewards={k: c.as_dict() for k, c in r.components.items()})
+        records.append(rec)
+    return records
+
+
+def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[str], None], *,
+         max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, top_k: int) -> int:
+    """A multi-turn conversation: `read(prompt)` gives the user's next line (EOFError ends), `write`
+    shows the reply. /reset forgets the conversation, /exit ends it. Returns the number of replies."""
+    system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+    messages, replies = list(system), 0
+    write("chat with the model: /reset forgets the conversation, /exit quits\n")
+    while True:
+        try:
+            line = read("you> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            write("\n")
+            return replies
+        if line in ("/exit", "/quit"):
+            return replies
+        if line == "/reset":
+            messages = list(system)
+            write("(conversation reset)\n")
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        gen = generate(model, tok, [prompt], max_new_tokens=max_new_tokens, do_sample=do_sample,
+                       temperature=temperature, top_p=top_p, top_k=top_k, engine=cfg.rollout.engine)
+        reply = tok.decode(gen.completion_ids[0], skip_special_tokens=True).strip()
+        messages.append({"role": "assistant", "content": reply})
+        write(f"model> {reply}\n")
+        replies += 1
+
+
+def export_merged(cfg: Config, adapter: str | Path, out: str | Path, dtype: str = "base") -> Path:
+    """Merge the checkpoint's adapter into the base weights and save a standalone model folder."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from .errors import ModelError
+
+    out, adapter = Path(out), Path(adapter)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"export folder {out} is not empty; give a new folder")
+    m = cfg.model
+    torch_dtype = "auto" if dtype == "base" else getattr(torch, dtype)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(m.name_or_path, dtype=torch_dtype, revision=m.revision,
+                                                    trust_remote_code=m.trust_remote_code)
+    except OSError as e:
+        raise ModelError(f"model.name_or_path {m.name_or_path!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    _, tok = load_model_and_tokenizer(m.name_or_path, "float32", "cpu", m.trust_remote_code, m.revision)
+    lm_head = base.get_output_embeddings()
+    if getattr(base.config, "tie_word_embeddings", False) and lm_head is not None and \
+            lm_head.weight is base.get_input_embeddings().weight:
+        adapted = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules") or []
+        if "lm_head" in adapted:  # merging into a tied weight would change the input embedding too
+            lm_head.weight = torch.nn.Parameter(lm_head.weight.detach().clone())
+            base.config.tie_word_embeddings = False
+    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    r = cfg.rollout
+    # only the sampling settings the run trained with: nothing the trainer never scored (no repetition
+    # penalty, no default top-k of 50)
+    merged.generation_config = GenerationConfig(
+        bos_token_id=base.generation_config.bos_token_id, eos_token_id=base.generation_config.eos_token_id,
+        pad_token_id=tok.pad_token_id, do_sample=True, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+        repetition_penalty=1.0)
+    out.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    (out / "README.md").write_text(_model_card(cfg, adapter))
+    return out
+
+
+def _model_card(cfg: Config, adapter: Path) -> str:
+    state = json.loads((adapter / "trainer_state.json").read_text()) if (adapter / "trainer_state.json").exists() else {}
+    run = adapter.parent
+    evals = {}
+    if (run / "eval.json").exists():
+        evals = json.loads((run / "eval.json").read_text())
+    elif (run / "eval.jsonl").exists():
+        lines = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines() if x.strip()]
+        evals = {"after": lines[-1]} if lines else {}
+    rewards = ", ".join(f"{c.name} x {c.weight:g}" for c in cfg.rewards.components)
+    lines = [
+        "---", f"base_model: {cfg.model.name_or_path}", "library_name: transformers", "tags: [docuchat-rl, rl, lora-merged]",
+        "---", "", f"# {cfg.model.name_or_path} + docuchat-rl {cfg.algorithm.name}", "",
+        f"LoRA adapter trained with docuchat-rl ({cfg.algorithm.name}), merged into the base weights.", "",
+        f"- base model: `{cfg.model.name_or_path}`", f"- checkpoint: `{adapter}` (step {state.get('step', '?')})",
+        f"- algorithm: {cfg.algorithm.name}; rewards: {rewards}",
+        f"- rollout: {cfg.rollout.prompts_per_step} prompts x {cfg.rollout.num_generations} completions, "
+        f"temperature {cfg.rollout.temperature}, top_p {cfg.rollout.top_p}, top_k {cfg.rollout.top_k}, "
+        f"max {cfg.rollout.max_new_tokens} new tokens",
+        f"- LoRA: r {cfg.lora.r}, alpha {cfg.lora.alpha}, targets {cfg.lora.target_modules}",
+        f"- data: `{cfg.data.train}`; system prompt: {cfg.data.system_prompt!r}", ""]
+    if evals:
+        lines += ["## Held-out evaluation (greedy)", "", "| | accuracy | format rate | mean length |", "|---|---|---|---|"]
+        for when in ("before", "after"):
+            e = evals.get(when)
+            if e:
+                lines.append(f"| {when} | {e.get('accuracy')} | {e.get('format_rate')} | {e.get('completion_len/mean')} |")
+        lines.append("")
+    else:
+        lines += ["No held-out evaluation was found next to the checkpoint.", ""]
+    lines += ["The run's full resolved config:", "", "```json", json.dumps(cfg.to_dict(), indent=1), "```", ""]
+    return "\n".join(lines)

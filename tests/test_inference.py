@@ -1,0 +1,184 @@
+"""Using a trained checkpoint: `generate` (base, adapter, side by side, scored), `chat` through a real
+pseudo-terminal, `export` to a merged standalone model (equal outputs), and a learned reward model as a
+reward component in a real run."""
+
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from docuchat_rl.cli import main
+from docuchat_rl.outputs import read_jsonl
+
+from .conftest import MODEL, ROOT
+
+SHORT = ["run.steps=2", "rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_new_tokens=24",
+         "logging.progress=false", "eval.limit=8", "eval.max_new_tokens=48", "run.threads=2"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A real 2-step run of the default recipe with its before/after evaluation: (run folder, checkpoint)."""
+    out = tmp_path_factory.mktemp("run")
+    args = ["train", "--config", str(ROOT / "config/default.yaml"), "--set", f"run.output_dir={out}"]
+    assert main(args + [a for s in SHORT for a in ("--set", s)]) == 0
+    return out, out / "checkpoint-2"
+
+
+def _json_lines(text):
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_generate_from_prompts_file_and_held_out_with_scores(run, tmp_path, capsys):
+    _, ckpt = run
+    assert main(["generate", "--adapter", str(ckpt), "--prompt", "Ava has 3 apples. Ava buys 4 more apples. "
+                 "How many apples does Ava have now?", "--json"]) == 0
+    (rec,) = _json_lines(capsys.readouterr().out)
+    assert rec["model"] == "adapter" and rec["completion"] and "rewards" not in rec  # config from the checkpoint
+    txt = tmp_path / "p.txt"
+    txt.write_text("What is 2 + 2?\n\nBen has 5 coins. Ben loses 2 coins. How many coins does Ben have now?\n")
+    assert main(["generate", "--adapter", str(ckpt), "--file", str(txt), "--n", "3", "--json"]) == 0
+    recs = _json_lines(capsys.readouterr().out)
+    assert [(r["prompt_id"], r["sample"]) for r in recs] == [(p, s) for p in range(2) for s in range(3)]
+    assert main(["generate", "--adapter", str(ckpt), "--held-out", "3", "--score", "--compare", "--json"]) == 0
+    recs = _json_lines(capsys.readouterr().out)
+    assert [r["model"] for r in recs] == ["base", "adapter"] * 3  # side by side, prompt by prompt
+    for r in recs:
+        assert r["gold"] and set(r["rewards"]) == {"correctness", "format"}
+        assert r["rewards"]["correctness"]["raw"] in (0.0, 1.0) and r["total"] == pytest.approx(
+            sum(c["weighted"] or 0 for c in r["rewards"].values()))
+    assert main(["generate", "--adapter", str(ckpt), "--held-out", "1", "--score"]) == 0
+    shown = capsys.readouterr().out
+    assert "model adapter" in shown and "correctness" in shown and "weighted" in shown  # the audit's record view
+
+
+def test_generate_refuses_compare_without_adapter_and_missing_files(capsys, tmp_path):
+    assert main(["generate", "--prompt", "x", "--compare"]) == 2
+    assert "--compare needs --adapter" in capsys.readouterr().err
+    assert main(["generate", "--file", str(tmp_path / "none.txt")]) == 2
+    assert "prompt file not found" in capsys.readouterr().err
+    assert main(["generate", "--adapter", str(tmp_path), "--prompt", "x"]) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err
+
+
+def _read_until(fd, marker, seconds=120):
+    out, deadline = b"", time.time() + seconds
+    while marker.encode() not in out and time.time() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.5)
+        if ready:
+            try:
+                out += os.read(fd, 4096)
+            except OSError:
+                break
+    return out.decode(errors="replace")
+
+
+@pytest.mark.slow
+def test_chat_in_a_real_pseudo_terminal(run):
+    _, ckpt = run
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "docuchat_rl", "chat", "--adapter", str(ckpt),
+                             "--max-new-tokens", "24"], stdin=slave, stdout=slave, stderr=subprocess.DEVNULL,
+                            cwd=ROOT, close_fds=True)
+    os.close(slave)
+    try:
+        assert "/exit quits" in _read_until(master, "you> ")
+        os.write(master, b"Ava has 3 apples. Ava buys 4 more apples. How many apples does Ava have now?\n")
+        first = _read_until(master, "you> ")
+        assert "model> " in first
+        os.write(master, b"And then?\n")
+        assert "model> " in _read_until(master, "you> ")  # a second turn, with the first in the context
+        os.write(master, b"/reset\n")
+        assert "(conversation reset)" in _read_until(master, "you> ")
+        os.write(master, b"/exit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)
+
+
+@pytest.mark.slow
+def test_export_gives_a_plain_model_equal_to_base_plus_adapter(run, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from docuchat_rl.batch import build_batch, policy_forward
+    from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, load_examples, render_prompt
+    from docuchat_rl.generation import generate
+
+    out_dir, ckpt = run
+    out = tmp_path / "merged"
+    assert main(["export", "--adapter", str(ckpt), "--out", str(out), "--dtype", "float32"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = AutoTokenizer.from_pretrained(out)
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
+                                          str(ckpt)).eval()
+    rows = load_examples(str(ROOT / "data/task/test.jsonl"), "test", "question", "answer", limit=12)
+    prompts = [render_prompt(tok, r.question, DEFAULT_SYSTEM_PROMPT) for r in rows]
+    a = generate(exported, tok, prompts, max_new_tokens=48, do_sample=False)
+    b = generate(reference, tok, prompts, max_new_tokens=48, do_sample=False)
+    assert a.completion_ids == b.completion_ids  # greedy ids identical
+    batch = build_batch(b.prompt_ids, b.completion_ids, [0.0] * 12, list(range(12)), tok.pad_token_id)
+    with torch.no_grad():
+        la, lb = policy_forward(exported, batch).logps, policy_forward(reference, batch).logps
+    m = batch.completion_mask.bool()
+    assert (la[m] - lb[m]).abs().max() < 1e-5
+    gc = GenerationConfig.from_pretrained(out)
+    assert gc.repetition_penalty in (None, 1.0) and gc.top_k == 0 and gc.temperature == 1.0
+    card = (out / "README.md").read_text()
+    assert "base_model: data/model" in card and "step 2" in card and "| after |" in card
+    assert main(["export", "--adapter", str(ckpt), "--out", str(out)]) == 2  # never over an existing export
+    assert "not empty" in capsys.readouterr().err
+
+
+def _tiny_reward_model(folder):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_labels=1, pad_token_id=tok.pad_token_id)
+    LlamaForSequenceClassification(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_a_reward_model_scores_beside_correctness_in_a_real_run(tmp_path):
+    from docuchat_rl.config import load_config
+    from docuchat_rl.reward_models import RewardModel
+    from docuchat_rl.trainer import Trainer
+
+    rm = _tiny_reward_model(tmp_path / "rm")
+    rewards = f"rewards=[{{name: correctness}}, {{name: reward_model, weight: 0.5, params: {{model: '{rm}', batch_size: 3}}}}]"
+    cfg = load_config(ROOT / "config/default.yaml", [f"run.output_dir={tmp_path / 'run'}", *SHORT[:5],
+                                                      "eval.before_and_after=false", rewards])
+    t = Trainer(cfg)
+    t.train()
+    t.close()
+    traces = read_jsonl(tmp_path / "run" / "traces.jsonl")
+    assert len(traces) == 16
+    direct = RewardModel(model=str(rm)).explain([r["prompt"] for r in traces], [r["completion"] for r in traces])
+    for r, d in zip(traces, direct):
+        comp = r["rewards"]["reward_model"]
+        assert comp["error"] is None and comp["info"]["model"] == str(rm) and comp["weight"] == 0.5
+        assert comp["raw"] == pytest.approx(d.value, abs=1e-4)  # batched in 3s in the run, 16 at once here
+        assert r["total"] == pytest.approx((r["rewards"]["correctness"]["raw"] or 0) + 0.5 * comp["raw"])
+
+
+def test_reward_model_errors_name_the_problem(tmp_path):
+    from rewards import RewardError, build_reward
+
+    with pytest.raises(RewardError, match="needs params.model"):
+        build_reward("reward_model")
+    with pytest.raises(RewardError, match="cannot load"):
+        build_reward("reward_model", {"model": str(tmp_path / "missing")})
+    assert "reward_model" in __import__("rewards").registered()
