@@ -83,12 +83,21 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)  # [R, K]
 
 
-def sample(logits: torch.Tensor, do_sample: bool, processors: list | None = None) -> Draw:
+def row_uniforms(seeds: list[int], steps: int, device) -> torch.Tensor:
+    """Each row's own stream of uniforms: [R, steps] float64, row r drawn from a generator seeded with
+    seeds[r], so a row's draws depend on its seed alone, not on the batch it is sampled in."""
+    rows = [torch.rand(steps, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+    return torch.stack(rows).to(device)  # [R, steps]
+
+
+def sample(logits: torch.Tensor, do_sample: bool, processors: list | None = None,
+           uniforms: torch.Tensor | None = None) -> Draw:
     """One token per row from last-position logits [R, V] (greedy when not `do_sample`), with its log-prob.
 
-    Sampling applies `processors` (see `warpers`) and draws with one uniform per row through the
-    float64 CDF (a draw per vocabulary entry, as `multinomial` and the Gumbel trick do, costs more than a
-    layer of the embedded model). The log-prob is the sampler's own: under the warped distribution.
+    Sampling applies `processors` (see `warpers`) and draws with one uniform per row (`uniforms` [R, 1]
+    float64, else from torch's global generator) through the float64 CDF (a draw per vocabulary entry,
+    as `multinomial` and the Gumbel trick do, costs more than a layer of the embedded model). The
+    log-prob is the sampler's own: under the warped distribution.
     """
     logits = logits.float()
     if not do_sample:
@@ -97,7 +106,8 @@ def sample(logits: torch.Tensor, do_sample: bool, processors: list | None = None
     for proc in processors or []:
         logits = proc(None, logits)  # [R, V], removed tokens at -inf
     probs = logits.double().softmax(-1)  # [R, V] float64
-    u = torch.rand(probs.shape[0], 1, device=probs.device, dtype=torch.float64)  # [R, 1]
+    u = uniforms if uniforms is not None else torch.rand(probs.shape[0], 1, device=probs.device,
+                                                          dtype=torch.float64)  # [R, 1]
     tokens = inverse_cdf(probs, u).squeeze(-1)  # [R]
     return Draw(tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log().float())
 
@@ -144,7 +154,7 @@ def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):
 
 
 def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
-                processors, stop, pad) -> tuple[torch.Tensor, torch.Tensor]:
+                processors, stop, pad, uniforms=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
     and the sampler's log-prob of each [same shape]."""
     from .batch import position_ids
@@ -164,7 +174,7 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
     for t in range(max_new_tokens):
         if t < min_new_tokens:  # no EOS yet, as transformers' MinNewTokensLengthLogitsProcessor
             logits = logits.index_fill(-1, stop_t, float("-inf"))
-        draw = sample(logits, do_sample, processors)
+        draw = sample(logits, do_sample, processors, None if uniforms is None else uniforms[:, t:t + 1])
         nxt = draw.tokens.masked_fill(done, pad)  # [R]
         tokens.append(nxt)
         logps.append(draw.logps)
@@ -198,10 +208,13 @@ def _plain_generation_config(model):
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
-             num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0) -> Generation:
+             num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
+             row_seeds: list[int] | None = None) -> Generation:
     """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
     `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only temperature, top-k and
-    top-p shape the distribution, whatever the model's generation_config says."""
+    top-p shape the distribution, whatever the model's generation_config says. With `row_seeds` (one per
+    output row) every row draws from its own random stream, so what a row samples does not depend on
+    batch_size or on which other rows share its batch (up to float rounding of the logits)."""
     if engine not in ("fast", "hf"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf")
     stop = eos_ids(model, tokenizer)
@@ -210,18 +223,25 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
     processors = warpers(temperature, top_k, top_p) if do_sample else []
     out = Generation([], [], [], [])
     per_call = max(1, batch_size // num_return_sequences)
+    if row_seeds is not None and len(row_seeds) != len(prompts) * num_return_sequences:
+        raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts) * num_return_sequences} rows")
     for start in range(0, len(prompts), per_call):
         chunk = prompts[start:start + per_call]
         enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(device)
+        uniforms = None
+        if row_seeds is not None and do_sample:
+            first = start * num_return_sequences
+            uniforms = row_uniforms(row_seeds[first:first + len(chunk) * num_return_sequences], max_new_tokens, device)
         if engine == "fast":
             new, logps = _fast_chunk(model, enc["input_ids"], enc["attention_mask"], repeats=num_return_sequences,
                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                     do_sample=do_sample, processors=processors, stop=stop, pad=pad)
+                                     do_sample=do_sample, processors=processors, stop=stop, pad=pad,
+                                     uniforms=uniforms)
         else:
             new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
                                    min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,
-                                   processors=processors, stop=stop, pad=pad)
+                                   processors=processors, stop=stop, pad=pad, uniforms=uniforms)
         new, logps, mask = new.tolist(), logps.tolist(), enc["attention_mask"].tolist()
         for r, row in enumerate(new):
             src = r // num_return_sequences
@@ -237,10 +257,12 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
 class _LogpRecorder:
     """A last logits processor for `generate`: keeps the processed distribution of the current step and,
     one step later (when the drawn token is in input_ids), the drawn token's log-prob. Holds one
-    [rows, V] tensor at a time, where `output_scores` would keep every step's (gigabytes at V = 150k)."""
+    [rows, V] tensor at a time, where `output_scores` would keep every step's (gigabytes at V = 150k).
+    With per-row `uniforms` [rows, steps] it draws the token itself (our inverse-CDF draw) and leaves
+    only that token possible, so generate's own multinomial returns it."""
 
-    def __init__(self, prompt_len: int):
-        self.prompt_len, self.last, self.logps = prompt_len, None, []
+    def __init__(self, prompt_len: int, uniforms: torch.Tensor | None = None):
+        self.prompt_len, self.last, self.logps, self.uniforms = prompt_len, None, [], uniforms
 
     def _take(self, tokens: torch.Tensor) -> None:
         self.logps.append(self.last.gather(-1, tokens[:, None]).squeeze(-1))  # [rows]
@@ -249,7 +271,11 @@ class _LogpRecorder:
         if self.last is not None:
             self._take(input_ids[:, -1])
         self.last = torch.log_softmax(scores.float(), -1)  # [rows, V]
-        return scores
+        if self.uniforms is None:
+            return scores
+        t = input_ids.shape[1] - self.prompt_len
+        token = inverse_cdf(self.last.double().exp(), self.uniforms[:, t:t + 1])  # [rows, 1]
+        return torch.full_like(scores, float("-inf")).scatter(-1, token, 0.0)
 
     def finish(self, new: torch.Tensor) -> torch.Tensor:
         """The log-probs [rows, steps] of the new ids [rows, steps]."""
@@ -259,13 +285,13 @@ class _LogpRecorder:
 
 
 def _hf_chunk(model, enc, *, do_sample, max_new_tokens, min_new_tokens, num_return_sequences, processors,
-              stop, pad) -> tuple[torch.Tensor, torch.Tensor]:
+              stop, pad, uniforms=None) -> tuple[torch.Tensor, torch.Tensor]:
     """`transformers.generate` with only our processors: new ids [rows, steps] and the sampler's log-probs
     (log-softmax of the processed scores at each drawn token) [rows, steps]. The warpers go in as custom
     processors (generate puts custom ones before its own, so the recorder could not follow its warpers)."""
     from transformers import LogitsProcessorList
 
-    recorder = _LogpRecorder(enc["input_ids"].shape[1])
+    recorder = _LogpRecorder(enc["input_ids"].shape[1], uniforms)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=pad, eos_token_id=stop,
                   num_return_sequences=num_return_sequences, temperature=None, top_p=None, top_k=None,
                   logits_processor=LogitsProcessorList([*processors, recorder]))

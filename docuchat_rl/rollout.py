@@ -17,6 +17,7 @@ the sampler's per-token log-probs included.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -103,16 +104,25 @@ def score(reward: CompositeReward, examples: list[Example], texts: list[str], ge
     return reward([e.question for e in examples], texts, **columns)
 
 
+def row_seed(seed: int, step: int, slot: int, sample: int) -> int:
+    """The seed of one completion's random stream: a hash of (run seed, step, the prompt's slot among the
+    step's sampled prompts, sample index), so what it draws depends on nothing else (not on
+    generation_batch_size, nor on how prompts are split between processes)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{slot}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 class Collector:
     """Samples and scores a step's groups with the current model (rollout + score phases)."""
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
-                 reward: CompositeReward, sampler: PromptSampler):
+                 reward: CompositeReward, sampler: PromptSampler, seed: int = 0):
         self.cfg, self.tokenizer, self.examples = cfg, tokenizer, examples
-        self.prompt_texts, self.reward, self.sampler = prompt_texts, reward, sampler
+        self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
 
-    def sample(self, model, idx: list[int]) -> tuple[Generation, list[str]]:
-        """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts."""
+    def sample(self, model, idx: list[int], seeds: list[int] | None = None) -> tuple[Generation, list[str]]:
+        """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts;
+        `seeds` gives each row its own random stream."""
         r = self.cfg
         model.eval()
         with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
@@ -120,10 +130,10 @@ class Collector:
                            max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,
                            top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
                            num_return_sequences=r.num_generations, engine=r.engine,
-                           min_new_tokens=r.min_new_tokens)
+                           min_new_tokens=r.min_new_tokens, row_seeds=seeds)
         return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
 
-    def collect(self, model, timer: Timer) -> Rollout:
+    def collect(self, model, timer: Timer, step: int) -> Rollout:
         """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""
         r, g = self.cfg, self.cfg.num_generations
         completions: list[Completion] = []
@@ -131,8 +141,9 @@ class Collector:
         while True:
             idx = self.sampler.take(r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step)
             examples = [self.examples[i] for i in idx for _ in range(g)]
+            seeds = [row_seed(self.seed, step, sampled + p, s) for p in range(len(idx)) for s in range(g)]
             with timer("rollout"):
-                gen, texts = self.sample(model, idx)
+                gen, texts = self.sample(model, idx, seeds)
             with timer("score"):
                 result = score(self.reward, examples, texts, gen)
             for p in range(len(idx)):

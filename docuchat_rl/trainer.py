@@ -149,7 +149,8 @@ class Trainer:
             self.step, self.run_id, offsets = state["step"], state["run_id"], state["offsets"]
             self.nonfinite_streak = state.get("nonfinite_streak", 0)
             sampler = PromptSampler(len(self.examples), cfg.run.seed, **state["sampler"])
-        self.collector = Collector(cfg.rollout, self.tokenizer, self.examples, prompt_texts, self.reward, sampler)
+        self.collector = Collector(cfg.rollout, self.tokenizer, self.examples, prompt_texts, self.reward, sampler,
+                                   cfg.run.seed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets.get("traces"))
         self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets.get("metrics"))
@@ -191,8 +192,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
-        """Rollout and score phases (see rollout.Collector)."""
-        return self.collector.collect(self.unwrapped, timer)
+        """Rollout and score phases of the next step (see rollout.Collector)."""
+        return self.collector.collect(self.unwrapped, timer, self.step + 1)
 
     def prepare(self, rollout: Rollout) -> Batch:
         """The used groups as a batch on the training device."""

@@ -293,3 +293,16 @@ def test_an_under_filled_batch_still_takes_the_configured_optimizer_steps(tmp_pa
     t.close()
     assert m["optimizer_steps"] == 4 == t.updates_per_step
     assert t.scheduler.scheduler.last_epoch == 4  # the schedule moved exactly one step per optimizer step
+
+
+@pytest.mark.slow
+def test_a_run_samples_the_same_completions_whatever_the_generation_batch_size(tmp_path):
+    """Each (step, prompt slot, sample) draws from its own stream: generation_batch_size changes nothing."""
+    traces = {}
+    for gbs in (64, 4):
+        t = Trainer(cfg_for(tmp_path / str(gbs), "run.steps=2", f"rollout.generation_batch_size={gbs}"))
+        t.train()
+        t.close()
+        traces[gbs] = [(r["step"], r["prompt_id"], r["sample"], r["completion"])
+                       for r in read_jsonl(tmp_path / str(gbs) / "traces.jsonl")]
+    assert traces[64] == traces[4] and len(traces[4]) == 16
