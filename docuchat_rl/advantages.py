@@ -8,15 +8,20 @@ from __future__ import annotations
 import torch
 
 
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: str, eps: float = 1e-4,
-                     valid: torch.Tensor | None = None):
+                     valid: torch.Tensor | None = None, reduce=_identity):
     """GRPO: (r - group mean) / (std + eps), with std per group, over the batch, or none (Dr. GRPO).
 
     rewards [R]; group [R] long, each row's group index (rows need not be contiguous); valid [R] bool,
     False for rows without a reward value (every component None or failed): they are left out of their
     group's mean and std and of the batch std, and get advantage 0. -> (advantages [R], zero_std [groups])
     std is Bessel-corrected (as torch.std and TRL); a group whose valid rewards all agree (or that has
-    fewer than 2) gets advantage 0.
+    fewer than 2) gets advantage 0. `reduce` sums a tensor over the processes of a data-parallel run
+    (groups never span processes; only the batch std of scale "batch" needs every process's rewards).
     """
     r = rewards.double()  # [R]; float64 sums keep a constant group's residuals at ~1e-17
     ok = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.bool()  # [R]
@@ -33,7 +38,9 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: str, eps
         adv = centred / (std[group] + eps)
     elif scale == "batch":
         kept = r[ok]
-        adv = centred / (kept.std() + eps) if kept.numel() > 1 else centred
+        n, total, sq = reduce(torch.stack([w.sum(), kept.sum(), (kept ** 2).sum()]))  # over all processes
+        var = (sq - total ** 2 / n.clamp(min=1.0)) / (n - 1).clamp(min=1.0)  # Bessel, as torch.std
+        adv = centred / (var.clamp(min=0.0).sqrt() + eps) if n > 1 else centred
     elif scale == "none":
         adv = centred
     else:
@@ -99,9 +106,11 @@ def nstep_returns(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tens
     return out + (gamma ** m.float()) * alive_m * boot
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the masked entries (advantage whitening); masked-out entries become 0."""
-    n = mask.sum().clamp(min=1.0)
-    mean = (x * mask).sum() / n
-    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1.0)
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reduce=_identity) -> torch.Tensor:
+    """(x - mean) / std over the masked entries (advantage whitening); masked-out entries become 0.
+    `reduce` sums over the processes of a data-parallel run, so mean and std are the whole batch's."""
+    n, total = reduce(torch.stack([mask.sum(), (x * mask).sum()]))
+    n = n.clamp(min=1.0)
+    mean = total / n
+    var = reduce((((x - mean) * mask) ** 2).sum()) / (n - 1).clamp(min=1.0)
     return (x - mean) / (var.sqrt() + eps) * mask

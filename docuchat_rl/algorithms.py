@@ -73,6 +73,7 @@ class Algorithm:
         if not isinstance(cfg.algorithm, self.config_type):
             raise TypeError(f"{self.name} needs a {self.config_type.__name__}, got {type(cfg.algorithm).__name__}")
         self.cfg = cfg
+        self.reduce = lambda x: x  # sums over the processes of a data-parallel run (set by the trainer)
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         raise NotImplementedError
@@ -144,9 +145,10 @@ class GRPO(Algorithm):
     def advantages(self, batch: Batch) -> dict[str, float]:
         a = self.cfg.algorithm
         adv, zero_std = group_advantages(batch.rewards, batch.group, a.scale, a.std_epsilon,
-                                         valid=batch.reward_valid)  # [R], [groups]
+                                         valid=batch.reward_valid, reduce=self.reduce)  # [R], [groups]
         batch.advantages = adv.unsqueeze(-1) * batch.completion_mask  # [R, T]
-        return {"zero_std_frac": float(zero_std.float().mean())}
+        n, zero = self.reduce(torch.tensor([float(zero_std.numel()), float(zero_std.sum())]))
+        return {"zero_std_frac": float(zero / n.clamp(min=1.0))}
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         return self.policy_loss(out, mb, norm)
@@ -209,11 +211,12 @@ class ActorCritic(Algorithm):
         rewards, dones = token_rewards(batch, a.beta, a.kl_in_reward)
         adv, ret = self.returns_and_advantages(batch, rewards, dones)
         batch.returns = ret * mask + batch.values * (batch.completion_mask - mask)  # no value error where invalid
-        batch.advantages = whiten(adv, mask) if a.whiten_advantages else adv * mask
-        return {"value/mean": float(masked_mean(batch.values, mask)),
-                "value/explained_variance": explained_variance(batch.values, batch.returns, mask),
-                "value/error": float(masked_mean((batch.values - batch.returns) ** 2, mask)),
-                "return/mean": float(masked_mean(batch.returns, mask))}
+        batch.advantages = whiten(adv, mask, reduce=self.reduce) if a.whiten_advantages else adv * mask
+        v, r = batch.values, batch.returns
+        n, sv, sr, err = self.reduce(torch.stack([  # whole-batch sums, over every process
+            mask.sum(), (v * mask).sum(), (r * mask).sum(), ((v - r) ** 2 * mask).sum()])).clamp(min=1.0)
+        return {"value/mean": float(sv / n), "value/error": float(err / n), "return/mean": float(sr / n),
+                "value/explained_variance": explained_variance(v, r, mask, self.reduce)}
 
     def critic_terms(self, out: PolicyOutput, mb: Batch, norm: Normalisers, clip: float | None):
         """vf_coef * value loss - ent_coef * entropy, aggregated like the policy loss, and metrics."""

@@ -75,24 +75,36 @@ def _seal(folder: Path) -> None:
         _fsync_path(d)
 
 
-def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int) -> Path:
-    """`write_into(folder)` fills a temporary folder; sealed and synced, it then becomes checkpoint-{step}."""
+def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int, dist=None) -> Path:
+    """`write_into(folder)` fills a temporary folder; sealed and synced, it then becomes checkpoint-{step}.
+    With `dist` (several processes) every process calls this: the main one prepares and completes the
+    folder, all of them write into it in between."""
+    main = dist is None or dist.is_main
     final = out_dir / f"checkpoint-{step}"
     tmp = out_dir / f"checkpoint-{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        if dist is not None:
+            dist.barrier()
         write_into(tmp)
-        _seal(tmp)
+        if dist is not None:
+            dist.barrier()
+        if main:
+            _seal(tmp)
     except (OSError, RuntimeError) as e:  # a full disk: torch's serializer reports it as a RuntimeError
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise CheckpointError(f"could not write {final.name} in {out_dir}: {first}; the previous checkpoint "
                               "and `latest` are intact") from e
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync_path(out_dir)
-    _atomic_write(out_dir / LATEST, final.name + "\n")
-    prune(out_dir, keep_last)
+    if main:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync_path(out_dir)
+        _atomic_write(out_dir / LATEST, final.name + "\n")
+        prune(out_dir, keep_last)
+    if dist is not None:
+        dist.barrier()
     return final
 
 
@@ -175,17 +187,20 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def write_training_state(folder: Path, *, model, tokenizer, critic, accelerator, config: dict,
-                         trainer_state: dict) -> None:
+                         trainer_state: dict, main: bool = True) -> None:
     """Fill `folder` with everything a resume reads: the peft adapter(s) (model weights are skipped by
-    accelerate's hooks), tokenizer, value head, accelerate's optimizer/scheduler/RNG states, the
-    resolved config and `trainer_state` (its "step" is the step the checkpoint follows)."""
+    accelerate's hooks), tokenizer, value head, accelerate's optimizer/scheduler/RNG states (one RNG file
+    per process: every process calls this, only the main one writes the rest), the resolved config and
+    `trainer_state` (its "step" is the step the checkpoint follows)."""
+    accelerator.save_state(str(folder), safe_serialization=True)
+    if not main:
+        return
     model.save_pretrained(folder, safe_serialization=True)  # policy at the root, the critic's adapter in critic/
     tokenizer.save_pretrained(folder)
     if critic is not None:
         from safetensors.torch import save_file
 
         save_file(critic.state_dict(), folder / "critic.safetensors")
-    accelerator.save_state(str(folder), safe_serialization=True)
     write_json(folder / "run_config.json", {"step": trainer_state["step"], "config": config})
     write_json(folder / TRAINER_STATE, trainer_state)
 

@@ -90,14 +90,13 @@ def parser() -> argparse.ArgumentParser:
 
 def cmd_train(args) -> int:
     from .config import load_config
-    from .trainer import Trainer
-
     from .errors import Preempted
+    from .trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, resume=args.resume)
     report: dict = {}
-    do_eval = cfg.eval.before_and_after and cfg.data.test
+    do_eval = bool(cfg.eval.before_and_after and cfg.data.test and trainer.is_main)  # the main process evaluates
     try:
         if do_eval and trainer.step == 0:
             report["before"] = trainer.evaluate()
@@ -106,7 +105,8 @@ def cmd_train(args) -> int:
     except Preempted as p:
         resume = ["docuchat-rl", "train", *(["--config", args.config] if args.config else []),
                   *[a for s in args.overrides for a in ("--set", s)], "--resume", "latest"]
-        print(f"docuchat-rl: {p}; resume with: {shlex.join(resume)}", file=sys.stderr, flush=True)
+        if trainer.is_main:
+            print(f"docuchat-rl: {p}; resume with: {shlex.join(resume)}", file=sys.stderr, flush=True)
         return 128 + p.signal_number
     finally:
         trainer.close()
@@ -119,8 +119,9 @@ def cmd_train(args) -> int:
         path = Path(cfg.run.output_dir) / "eval.json"
         path.write_text(json.dumps(report, indent=2) + "\n")
     out = Path(cfg.run.output_dir)
-    print(f"outputs: {out / 'latest'} -> checkpoint, {out / 'metrics.jsonl'}, {out / 'traces.jsonl'}"
-          + (f", {out / 'eval.json'}" if do_eval else ""))
+    if trainer.is_main:
+        print(f"outputs: {out / 'latest'} -> checkpoint, {out / 'metrics.jsonl'}, {out / 'traces.jsonl'}"
+              + (f", {out / 'eval.json'}" if do_eval else ""))
     return 0
 
 

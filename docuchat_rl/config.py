@@ -260,6 +260,9 @@ class Config(Section):
         if rows % self.minibatch_rows:
             raise ValueError(f"optim.minibatch_size: {self.minibatch_rows} must divide the rollout batch "
                              f"(prompts_per_step * num_generations = {rows})")
+        if self.minibatch_rows % self.rollout.num_generations:
+            raise ValueError(f"optim.minibatch_size: {self.minibatch_rows} must be a multiple of "
+                             f"rollout.num_generations ({self.rollout.num_generations}): a group is never split")
         if self.minibatch_rows % min(self.optim.micro_batch_size, self.minibatch_rows):
             raise ValueError(f"optim.micro_batch_size: {self.optim.micro_batch_size} must divide "
                              f"the minibatch ({self.minibatch_rows} completions)")

@@ -173,11 +173,12 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * torch.max(unclipped, clipped)
 
 
-def explained_variance(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(target - pred) / Var(target) over the masked entries (1 = perfect, 0 = no better than the mean)."""
-    n = mask.sum().clamp(min=1.0)
-    mean_t = (target * mask).sum() / n
-    var_t = (((target - mean_t) * mask) ** 2).sum() / n
-    diff = (target - pred) * mask
-    var_d = ((diff - diff.sum() / n) * mask).pow(2).sum() / n
-    return float("nan") if var_t == 0 else float(1.0 - var_d / var_t)
+def explained_variance(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reduce=lambda x: x) -> float:
+    """1 - Var(target - pred) / Var(target) over the masked entries (1 = perfect, 0 = no better than the
+    mean); `reduce` sums over the processes of a data-parallel run."""
+    d = target - pred
+    n, st, st2, sd, sd2 = reduce(torch.stack([mask.sum(), (target * mask).sum(), (target ** 2 * mask).sum(),
+                                              (d * mask).sum(), (d ** 2 * mask).sum()]))
+    n = n.clamp(min=1.0)
+    var_t, var_d = st2 / n - (st / n) ** 2, sd2 / n - (sd / n) ** 2
+    return float("nan") if var_t <= 0 else float(1.0 - var_d / var_t)

@@ -62,11 +62,13 @@ class Completion:
 
 @dataclass
 class Rollout:
-    """A step's completions in sampling order, and how many prompts and rounds it took."""
+    """A step's completions in sampling order (this process's share of the step), and how many prompts and
+    rounds it took. `group_offset` is the global index of its first group (its rank's first prompt slot)."""
 
     completions: list[Completion]
     prompts_sampled: int
     rounds: int
+    group_offset: int = 0
 
     @property
     def used(self) -> list[Completion]:
@@ -86,7 +88,8 @@ class Rollout:
         records, used_i = [], 0
         for c in self.completions:
             rec = c.reward
-            record = {"run_id": run_id, "step": step, "prompt_id": c.example.prompt_id, "group": c.group,
+            group = None if c.group is None else c.group + self.group_offset
+            record = {"run_id": run_id, "step": step, "prompt_id": c.example.prompt_id, "group": group,
                       "sample": c.sample, "used": c.used, "prompt": c.example.question, "completion": c.text,
                       "gold": c.example.answer, "completion_tokens": len(c.ids), "truncated": c.truncated,
                       "rewards": {k: v.as_dict() for k, v in rec.components.items()},
@@ -116,9 +119,10 @@ class Collector:
     """Samples and scores a step's groups with the current model (rollout + score phases)."""
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
-                 reward: CompositeReward, sampler: PromptSampler, seed: int = 0):
+                 reward: CompositeReward, sampler: PromptSampler, seed: int = 0, rank: int = 0, world: int = 1):
         self.cfg, self.tokenizer, self.examples = cfg, tokenizer, examples
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
+        self.rank, self.world = rank, world  # every process draws the step's global prompt list, keeps its share
 
     def sample(self, model, idx: list[int], seeds: list[int] | None = None) -> tuple[Generation, list[str]]:
         """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts;
@@ -138,10 +142,14 @@ class Collector:
         r, g = self.cfg, self.cfg.num_generations
         completions: list[Completion] = []
         kept = rounds = sampled = 0
+        share = r.prompts_per_step // self.world  # dynamic sampling runs on one process only
+        first = self.rank * share
         while True:
             idx = self.sampler.take(r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step)
+            if self.world > 1:
+                idx = idx[first:first + share]
             examples = [self.examples[i] for i in idx for _ in range(g)]
-            seeds = [row_seed(self.seed, step, sampled + p, s) for p in range(len(idx)) for s in range(g)]
+            seeds = [row_seed(self.seed, step, first + sampled + p, s) for p in range(len(idx)) for s in range(g)]
             with timer("rollout"):
                 gen, texts = self.sample(model, idx, seeds)
             with timer("score"):
@@ -160,4 +168,4 @@ class Collector:
             sampled += len(idx)
             rounds += 1
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
-                return Rollout(completions, sampled, rounds)
+                return Rollout(completions, sampled, rounds, group_offset=first)

@@ -44,6 +44,7 @@ from .batch import Batch, policy_forward
 from .checkpoint import latest_step, load_training_state, resolve_resume, save_checkpoint, write_training_state
 from .config import Config
 from .data import DataError, Example, PromptSampler, load_examples, render_prompt
+from .distributed import Dist
 from .errors import Preempted, TrainingError
 from .losses import Normalisers
 from .modeling import (CRITIC_ADAPTER, active_adapter, add_critic_adapter, build_lora, disable_dropout,
@@ -73,22 +74,27 @@ class Trainer:
         self.out_dir = Path(cfg.run.output_dir)
         # every check of the output folder and the checkpoint comes before anything is loaded
         resume_dir = resolve_resume(resume, self.out_dir) if resume else None
+        # several processes (accelerate launch / torchrun): the first one holds the folder and writes the files
+        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        self._lock = None
         try:
             check_writable(self.out_dir)
-            self._lock = RunLock(self.out_dir)
+            if self.is_main:
+                self._lock = RunLock(self.out_dir)
         except RuntimeError as e:
             raise TrainingError(str(e)) from None
         try:
             self._setup(cfg, resume_dir, examples)
         except BaseException:
-            self._lock.release()  # a run that failed to start holds nothing
+            if self._lock is not None:
+                self._lock.release()  # a run that failed to start holds nothing
             raise
 
     def _setup(self, cfg: Config, resume_dir: Path | None, examples: list[Example] | None) -> None:
         from accelerate import Accelerator
         from transformers import set_seed
 
-        if resume_dir is None:
+        if resume_dir is None and self.is_main:
             try:
                 claim_output_dir(self.out_dir, cfg.run.overwrite)
             except ValueError as e:
@@ -102,7 +108,17 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         set_seed(cfg.run.seed)
-        self.accelerator = Accelerator(cpu=cfg.model.device == "cpu")
+        # the schedule steps once per optimizer step, whatever the number of processes
+        # (cpu=True on a machine without a GPU: accelerate sets up multi-process CPU runs, on gloo, only then)
+        cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+        self.accelerator = Accelerator(cpu=cpu, step_scheduler_with_optimizer=False)
+        self.dist = Dist.from_accelerator(self.accelerator)
+        if cfg.rollout.prompts_per_step % self.dist.world:
+            raise TrainingError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the "
+                                f"number of processes ({self.dist.world}): each process samples whole groups")
+        if cfg.rollout.dynamic_sampling and self.dist.active:
+            raise TrainingError("rollout.dynamic_sampling runs on one process only for now; turn it off to "
+                                f"train on {self.dist.world} processes")
         model, self.tokenizer = load_model_and_tokenizer(
             cfg.model.name_or_path, cfg.model.dtype, str(self.accelerator.device),
             cfg.model.trust_remote_code, cfg.model.revision)
@@ -114,6 +130,7 @@ class Trainer:
         self.logit_chunk = chunk if chunk is not None else (1024 if vocab > 32768 else 0)
         self.model = build_lora(model, cfg.lora)
         self.algo = get_algorithm_class(cfg.algorithm.name)(cfg, model.config.hidden_size)
+        self.algo.reduce = self.dist.sum
         critic = self.algo.critic
         self.separate_critic = critic is not None and cfg.algorithm.critic_backbone == "separate"
         if critic is not None:
@@ -126,7 +143,8 @@ class Trainer:
         self.n_minibatches = cfg.rollout.batch_rows // cfg.minibatch_rows
         self.updates_per_step = cfg.algorithm.num_iterations * self.n_minibatches
         opt, sched = build_optimizer(self.params, cfg, cfg.run.steps * self.updates_per_step)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(self.model, opt, sched)
+        # the model is not wrapped (no DDP): gradients are summed across processes per minibatch (distributed.py)
+        self.optimizer, self.scheduler = self.accelerator.prepare(opt, sched)
         # accelerate saves optimizer, scheduler and RNG states; the adapter is saved by peft instead
         self.accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
         self.accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
@@ -140,7 +158,8 @@ class Trainer:
         self._check_lengths(prompt_texts)
         self.reward = CompositeReward([c.model_dump() for c in cfg.rewards.components],
                                       strict=cfg.rewards.strict, timeout_s=cfg.rewards.timeout_s)
-        self.step, self.run_id, self.nonfinite_streak = 0, uuid.uuid4().hex[:12], 0
+        self.step, self.nonfinite_streak = 0, 0
+        self.run_id = self.dist.gather([uuid.uuid4().hex[:12]])[0]  # the main process's id, on every process
         sampler = PromptSampler(len(self.examples), cfg.run.seed)
         offsets = {}
         if resume_dir:
@@ -149,12 +168,21 @@ class Trainer:
             self.step, self.run_id, offsets = state["step"], state["run_id"], state["offsets"]
             self.nonfinite_streak = state.get("nonfinite_streak", 0)
             sampler = PromptSampler(len(self.examples), cfg.run.seed, **state["sampler"])
+            if state.get("world_size", 1) != self.dist.world and self.is_main:
+                import warnings
+
+                from .errors import CheckpointWarning
+
+                warnings.warn(f"{resume_dir.name} was written by {state.get('world_size', 1)} processes and resumes "
+                              f"on {self.dist.world}: the run goes on, but not bit-exactly (sums run in "
+                              "another order)", CheckpointWarning, stacklevel=2)
         self.collector = Collector(cfg.rollout, self.tokenizer, self.examples, prompt_texts, self.reward, sampler,
-                                   cfg.run.seed)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets.get("traces"))
-        self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets.get("metrics"))
-        self.evals = JsonlWriter(self.out_dir / "eval.jsonl", offsets.get("evals"))
+                                   cfg.run.seed, self.dist.rank, self.dist.world)
+        self.traces = self.metrics = self.evals = None  # the main process writes every process's records
+        if self.is_main:
+            self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets.get("traces"))
+            self.metrics = JsonlWriter(self.out_dir / "metrics.jsonl", offsets.get("metrics"))
+            self.evals = JsonlWriter(self.out_dir / "eval.jsonl", offsets.get("evals"))
         phase_file = os.environ.get("DOCUCHAT_RL_PHASE_FILE")
         self._phase_fd = os.open(phase_file, os.O_WRONLY | os.O_CREAT, 0o644) if phase_file else None
         self._stop: signal.Signals | None = None
@@ -247,13 +275,21 @@ class Trainer:
                 self._rollout_pass(batch, "ref_logps", values=False, disable_adapter=True)
             return self.algo.advantages(batch)
 
-    def update(self, batch: Batch, timer: Timer) -> dict[str, float]:
+    def minibatches(self, batch: Batch, group_offset: int = 0) -> list[torch.Tensor]:
+        """The rows of each of the step's `n_minibatches` minibatches: group g (its global index) goes to
+        minibatch g mod n. The same groups make up a minibatch whatever the number of processes, every
+        process gets its share of each, and an under-filled batch still makes n minibatches."""
+        g = batch.group + group_offset  # [R] global group index
+        return [torch.nonzero(g % self.n_minibatches == k).squeeze(-1) for k in range(self.n_minibatches)]
+
+    def update(self, batch: Batch, timer: Timer, group_offset: int = 0) -> dict[str, float]:
         """`num_iterations` passes of a fixed number of optimizer steps over the batch. An under-filled
         batch (dynamic sampling out of rounds) is split into as many minibatches as a full one, so the
         schedule's horizon and the steps per rollout never change. A minibatch whose loss or gradient
         norm is not finite is not applied (`nonfinite_skipped`); `optim.max_nonfinite_steps` of them in a
-        row stop the run."""
-        cfg = self.cfg
+        row stop the run. On several processes each minibatch's loss is normalised by its rows and tokens
+        on all processes, and the gradients are summed across them before the step."""
+        cfg, dist = self.cfg, self.dist
         sums: dict[str, float] = defaultdict(float)
         maxima: dict[str, float] = {}
         weight = 0.0
@@ -261,12 +297,13 @@ class Trainer:
         self.model.train()
         with timer("update"):
             for _ in range(cfg.algorithm.num_iterations):
-                for mb_rows in torch.arange(batch.rows).tensor_split(self.n_minibatches):
+                for mb_rows in self.minibatches(batch, group_offset):
                     mask = batch.completion_mask[mb_rows]
-                    norm = Normalisers(rows=max(len(mb_rows), 1), tokens=float(mask.sum()),
+                    rows, tokens = dist.sum(torch.tensor([float(len(mb_rows)), float(mask.sum())])).tolist()
+                    norm = Normalisers(rows=max(int(rows), 1), tokens=tokens,
                                        max_new_tokens=cfg.rollout.max_new_tokens)
                     total = 0.0
-                    for rows in mb_rows.split(cfg.optim.micro_batch_size):
+                    for rows in mb_rows.split(cfg.optim.micro_batch_size) if len(mb_rows) else []:
                         mb = batch.select(rows)
                         out = self.forward(self.model, mb, with_entropy=True,
                                            entropy_grad=self.algo.entropy_grad)
@@ -280,6 +317,8 @@ class Trainer:
                             else:
                                 sums[k] += v * w
                         weight += w
+                    dist.sum_grads(self.params)
+                    total = float(dist.sum(torch.tensor([total], dtype=torch.float64)))
                     max_norm = cfg.optim.max_grad_norm or float("inf")
                     grad_norm = float(self.accelerator.clip_grad_norm_(self.params, max_norm))
                     if math.isfinite(grad_norm) and math.isfinite(total):
@@ -297,8 +336,12 @@ class Trainer:
                                 f"checkpoint is intact; optim.max_nonfinite_steps is {cfg.optim.max_nonfinite_steps})")
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
-        out = {k: v / max(weight, 1.0) for k, v in sums.items()}
-        out.update(maxima)
+        keys = sorted(sums)  # the same metric keys on every process (they follow from the config)
+        packed = dist.sum(torch.tensor([weight] + [sums[k] for k in keys], dtype=torch.float64)).tolist()
+        out = {k: v / max(packed[0], 1.0) for k, v in zip(keys, packed[1:])}
+        if maxima:
+            mkeys = sorted(maxima)
+            out.update(zip(mkeys, dist.max(torch.tensor([maxima[k] for k in mkeys], dtype=torch.float64)).tolist()))
         out.update(loss=float(np.mean(losses)) if losses else None,
                    grad_norm=float(np.mean(grad_norms)) if grad_norms else None,
                    lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses), nonfinite_skipped=skipped)
@@ -306,43 +349,53 @@ class Trainer:
 
     # ---------------------------------------------------------------- log and checkpoint
     def log(self, step: int, rollout: Rollout, batch: Batch, metrics: dict, timer: Timer) -> dict:
+        """Write every process's trace records (the main process, in the one-process order) and the step's
+        metrics record, computed over all of them."""
         with timer("log"):  # the trace records' writing (the metrics record carries these timings)
-            self.traces.write(rollout.trace_records(step, self.run_id, self.algo.trace_fields(batch)))
-        comps = rollout.completions
-        totals = np.array([c.reward.total for c in comps])
-        lengths = np.array([len(c.ids) for c in comps])
+            records = self.dist.gather(rollout.trace_records(step, self.run_id, self.algo.trace_fields(batch)))
+            if self.traces is not None:
+                self.traces.write(records)
+        totals = np.array([r["total"] for r in records])
+        lengths = np.array([r["completion_tokens"] for r in records])
         m = {"step": step, "reward/mean": float(totals.mean()), "reward/std": float(totals.std())}
         for name in self.reward.names:
-            vals = [c.reward.components[name].raw for c in comps if c.reward.components[name].raw is not None]
+            vals = [r["rewards"][name]["raw"] for r in records if r["rewards"][name]["raw"] is not None]
             m[f"rewards/{name}/mean"] = float(np.mean(vals)) if vals else None
-            m[f"rewards/{name}/errors"] = sum(c.reward.components[name].error is not None for c in comps)
+            m[f"rewards/{name}/errors"] = sum(r["rewards"][name]["error"] is not None for r in records)
         acc_name = self.cfg.rewards.accuracy_component
         if acc_name in self.reward.names:
             m["accuracy"] = m[f"rewards/{acc_name}/mean"]
         m.update({"completion_len/mean": float(lengths.mean()), "completion_len/max": int(lengths.max()),
-                  "truncated_frac": float(np.mean([c.truncated for c in comps])),
-                  "reward_missing": sum(c.reward.total_missing for c in comps),
-                  "prompts_sampled": rollout.prompts_sampled, "groups_used": int(batch.group.max()) + 1,
-                  "kl": None})
+                  "truncated_frac": float(np.mean([r["truncated"] for r in records])),
+                  "reward_missing": sum(r["total_missing"] for r in records),
+                  "prompts_sampled": len({(r["group"], r["prompt_id"]) for r in records if r["sample"] == 0})
+                  if self.dist.active else rollout.prompts_sampled,
+                  "groups_used": len({r["group"] for r in records if r["group"] is not None}), "kl": None})
         m.update(metrics)
-        rollout_s = timer.seconds.get("rollout", 0.0)
+        rollout_s = float(self.dist.max(torch.tensor([timer.seconds.get("rollout", 0.0)])))
         m["rollout_tokens_per_s"] = float(lengths.sum() / rollout_s) if rollout_s else None
         for phase, s in timer.seconds.items():
             m[f"time/{phase}"] = s
-        self.metrics.write([m])
+        if self.metrics is not None:
+            self.metrics.write([m])
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
         return m
 
     def checkpoint(self, step: int) -> Path:
+        """Every process takes part (each saves its random states); the main process writes the rest and
+        completes the folder (see checkpoint.py)."""
         trainer_state = {"step": step, "run_id": self.run_id, "sampler": self.collector.sampler.state(),
-                         "nonfinite_streak": self.nonfinite_streak,
+                         "nonfinite_streak": self.nonfinite_streak, "world_size": self.dist.world,
                          "offsets": {"traces": self.traces.offset, "metrics": self.metrics.offset,
-                                     "evals": self.evals.offset}}
-        return save_checkpoint(self.out_dir, step, lambda folder: write_training_state(
-            folder, model=self.unwrapped, tokenizer=self.tokenizer, critic=self.algo.critic,
-            accelerator=self.accelerator, config=self.cfg.to_dict(), trainer_state=trainer_state),
-            self.cfg.checkpoint.keep_last)
+                                     "evals": self.evals.offset} if self.is_main else {}}
+
+        def write_into(folder: Path) -> None:
+            write_training_state(folder, model=self.unwrapped, tokenizer=self.tokenizer, critic=self.algo.critic,
+                                 accelerator=self.accelerator, config=self.cfg.to_dict(),
+                                 trainer_state=trainer_state, main=self.is_main)
+
+        return save_checkpoint(self.out_dir, step, write_into, self.cfg.checkpoint.keep_last, self.dist)
 
     def held_out(self) -> list[Example]:
         """The held-out rows (eval.limit of them), read once per run."""
@@ -353,9 +406,12 @@ class Trainer:
         return self._eval_examples
 
     def evaluate(self) -> dict:
-        """Held-out evaluation (greedy: it draws no random numbers, so the run is unchanged by it)."""
+        """Held-out evaluation (greedy: it draws no random numbers, so the run is unchanged by it), on the
+        main process; the others get {}."""
         from .evaluate import evaluate
 
+        if not self.is_main:
+            return {}
         return evaluate(self.unwrapped, self.tokenizer, self.cfg, self.held_out())
 
     # ---------------------------------------------------------------- the loop
@@ -399,9 +455,18 @@ class Trainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.collector.sampler = PromptSampler(len(self.examples), self.cfg.run.seed, **snap["sampler"])
 
+    def _stopping(self) -> bool:
+        """Whether any process was asked to stop (all processes stop at the same safe point)."""
+        signum = int(self.dist.max(torch.tensor([int(self._stop) if self._stop is not None else 0])))
+        if signum and self._stop is None:
+            self._stop = signal.Signals(signum)
+        return bool(signum)
+
     def _stop_here(self) -> None:
         """Checkpoint the last finished step if `latest` is older, and raise Preempted."""
-        latest = latest_step(self.out_dir)
+        mine = latest_step(self.out_dir) if self.is_main else None  # the main process's view of the folder
+        latest = int(self.dist.max(torch.tensor([-1 if mine is None else mine])))
+        latest = None if latest < 0 else latest
         folder = None
         if self.step > 0 and (latest is None or latest < self.step):
             folder = self.checkpoint(self.step).name
@@ -436,17 +501,19 @@ class Trainer:
                     with timer("prepare"):
                         batch = self.prepare(rollout)
                     extra = self.advantages(batch, timer)
-                    if self._stop is not None:  # safe point: nothing of this step is applied or written yet
+                    if self._stopping():  # safe point: nothing of this step is applied or written yet
                         self._restore(snapshot)
                         self._stop_here()
                     self._phase("update")
-                    extra.update(self.update(batch, timer))
+                    extra.update(self.update(batch, timer, rollout.group_offset))
                     if cfg.eval.every and cfg.data.test and step % cfg.eval.every == 0:
                         self._phase("eval")
-                        self.last_eval = {"step": step, "minutes": round((time.perf_counter() - started) / 60, 3),
-                                          **self.evaluate()}
-                        self.evals.write([self.last_eval])
-                        extra["eval/accuracy"] = self.last_eval.get("accuracy")
+                        result = self.evaluate()
+                        if self.is_main:
+                            self.last_eval = {"step": step,
+                                              "minutes": round((time.perf_counter() - started) / 60, 3), **result}
+                            self.evals.write([self.last_eval])
+                            extra["eval/accuracy"] = self.last_eval.get("accuracy")
                     self._phase("log")
                     m = self.log(step, rollout, batch, extra, timer)
                     history.append(m)
@@ -459,7 +526,7 @@ class Trainer:
                         bar.update(1)
                         bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy') or 0:.3f}",
                                         tok_s=f"{m['rollout_tokens_per_s'] or 0:.0f}")
-                    if self._stop is not None:  # safe point: the step is finished
+                    if self._stopping():  # safe point: the step is finished
                         self._stop_here()
                     if stop_after is not None and step >= stop_after:
                         break
@@ -470,10 +537,12 @@ class Trainer:
 
     def close(self) -> None:
         for writer in (self.traces, self.metrics, self.evals):
-            writer.close()
+            if writer is not None:
+                writer.close()
         if self.wandb is not None:
             self.wandb.finish()
         if self._phase_fd is not None:
             os.close(self._phase_fd)
             self._phase_fd = None
-        self._lock.release()
+        if self._lock is not None:
+            self._lock.release()
