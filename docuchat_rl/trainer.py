@@ -15,9 +15,12 @@ policy forward in `batch.py`; advantages and losses in `algorithms.py`; LoRA and
 `modeling.py`; checkpoint files in `checkpoint.py`. This module keeps the loop, the update and the
 calls that tie them together.
 
-Deliberately left out: multi-process data sharding (one process samples and trains the whole batch;
-`accelerate launch` with several processes is not supported yet), and serving engines (vLLM, SGLang)
-for the rollout.
+Several processes (`torchrun`, `accelerate launch`): every process draws the step's prompt list and
+samples, scores and trains its share of the groups; gradients are summed across processes per minibatch
+(distributed.py); the main process writes the traces, metrics and checkpoint files.
+
+Deliberately left out: serving engines (vLLM, SGLang) for the rollout, sharded parameters (FSDP/ZeRO),
+and dynamic sampling on several processes.
 """
 
 from __future__ import annotations
