@@ -18,3 +18,17 @@ def tiny():
     from docuchat_rl.modeling import load_model_and_tokenizer
 
     return load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
+
+
+def with_lora(model, target_modules, r: int = 4, alpha: float = 8):
+    """`model` with a LoRA adapter whose B matrices are non-zero (as after training), seeded."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, task_type="CAUSAL_LM"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return pm

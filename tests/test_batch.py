@@ -7,6 +7,8 @@ from docuchat_rl.batch import build_batch, policy_forward
 from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, render_prompt
 from docuchat_rl.generation import generate
 
+from .conftest import with_lora
+
 
 def _prompts(tok):
     qs = ["Ava has 3 apples. Ava buys 4 more apples. How many apples does Ava have now?",
@@ -91,16 +93,8 @@ def _group_batch(tok, groups):
 
 
 def test_shared_prompt_forward_equals_the_plain_forward_values_hidden_and_gradients(tiny):
-    from peft import LoraConfig, get_peft_model
-
     model, tok = tiny
-    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                          task_type="CAUSAL_LM"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    pm = with_lora(model, ["q_proj", "v_proj", "down_proj"])
     try:
         batch = _group_batch(tok, [0, 1, 0, 0, 1, 2, 1])  # groups interleaved; group 2 (prompt 0) alone
         results = []
@@ -157,18 +151,9 @@ def _tiny_arch(name, tok):
 def test_chunked_log_probs_equal_the_full_logits_path_with_gradients(tiny, arch, share):
     """logit_chunk scores a few positions at a time from the hidden states (never all [R, T, V] logits):
     log-probs, entropies and LoRA gradients (lm_head included) equal the whole-tensor path."""
-    from peft import LoraConfig, get_peft_model
-
     base, tok = tiny
     model = base if arch == "default" else _tiny_arch(arch, tok)
-    targets = ["c_attn", "lm_head"] if arch == "gpt2" else ["q_proj", "v_proj", "lm_head"]
-    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))
-    pm.eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    pm = with_lora(model, ["c_attn", "lm_head"] if arch == "gpt2" else ["q_proj", "v_proj", "lm_head"]).eval()
     try:
         batch = _group_batch(tok, [0, 0, 1, 1, 1])
         results = []

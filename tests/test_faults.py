@@ -28,6 +28,14 @@ def _cli(out, *sets, resume=False):
     return args + (["--resume", "latest"] if resume else [])
 
 
+def _start_long_run(out):
+    """A 200-step CLI run checkpointing every step, once its first checkpoint exists."""
+    proc = subprocess.Popen(_cli(out, "run.steps=200", "checkpoint.every=1"), cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _wait_for(lambda: (out / "latest").exists(), proc)
+    return proc
+
+
 def _wait_for(predicate, proc, seconds=120):
     deadline = time.time() + seconds
     while time.time() < deadline and proc.poll() is None and not predicate():
@@ -82,9 +90,7 @@ def test_preemption_stops_at_a_safe_point_checkpoints_and_resumes_exactly(tmp_pa
 @pytest.mark.slow
 def test_a_second_sigint_stops_at_once_leaving_the_last_checkpoint_valid(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cli(out, "run.steps=200", "checkpoint.every=1"), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_for(lambda: (out / "latest").exists(), proc)
+    proc = _start_long_run(out)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
@@ -214,9 +220,7 @@ def test_resume_skips_a_damaged_newest_checkpoint_with_a_warning(tmp_path):
 @pytest.mark.slow
 def test_one_live_run_per_folder_and_no_stale_lock_after_kill_9(tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.Popen(_cli(out, "run.steps=200", "checkpoint.every=1"), cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _wait_for(lambda: (out / "latest").exists(), proc)
+    proc = _start_long_run(out)
     with pytest.raises(TrainingError, match=rf"is in use by a live run \(pid {proc.pid}\)") as e:
         Trainer(cfg_for(out), resume="latest")
     assert "\n" not in str(e.value)

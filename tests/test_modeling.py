@@ -10,7 +10,7 @@ from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, render_prompt
 from docuchat_rl.generation import generate
 from docuchat_rl.modeling import pick_dtype
 
-from .conftest import MODEL
+from .conftest import MODEL, with_lora
 
 
 def test_loads_offline_with_plain_auto_classes():
@@ -87,15 +87,7 @@ def test_card_answer_only_habit_re_measures(tiny):
 
 
 def _lora(model):
-    from peft import LoraConfig, get_peft_model
-
-    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)  # a non-zero delta, as after training
-    return pm
+    return with_lora(model, "all-linear", r=8, alpha=16)
 
 
 def test_merged_adapter_gives_the_adapter_outputs_and_restores_weights_bit_for_bit():
@@ -137,20 +129,13 @@ def test_merged_adapter_restores_after_an_error_and_ignores_plain_models(tiny):
 def test_merged_adapter_never_changes_a_tied_embedding():
     """LoRA on a tied lm_head (the default model and Qwen2.5-0.5B tie it to the input embedding): the merged
     rollout must give the adapter's logits, with the embedding untouched by the lm_head's delta."""
-    from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from docuchat_rl.modeling import merged_adapter
 
     model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
-    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "lm_head"],
-                                          task_type="CAUSAL_LM"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
+    pm = with_lora(model, ["q_proj", "lm_head"], r=8, alpha=16)
     ids = torch.tensor([[5, 17, 40, 99, 3]])
     with torch.no_grad():
         unmerged = pm(input_ids=ids).logits
