@@ -36,6 +36,22 @@ def _train(out, procs, *sets, recipe="default", resume=False, check=True):
     return proc
 
 
+def _schedule(sets, total):
+    """The learning rate after each of `total` optimizer steps, straight from transformers' scheduler."""
+    import torch
+    from transformers import get_scheduler
+
+    warmup = int(next(x.split("=")[1] for x in sets if x.startswith("optim.warmup_steps=")))
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=5e-4)
+    sched = get_scheduler("cosine", opt, num_warmup_steps=warmup, num_training_steps=total)
+    lrs = [sched.get_last_lr()[0]]
+    for _ in range(total):
+        opt.step()
+        sched.step()
+        lrs.append(sched.get_last_lr()[0])
+    return lrs
+
+
 def _untimed(path):
     return [{k: v for k, v in r.items() if not k.startswith(TIMING) and k != "run_id"} for r in read_jsonl(path)]
 
@@ -68,9 +84,11 @@ def test_two_processes_equal_one(tmp_path, recipe, sets):
     _assert_close(one, two)  # rewards identical; advantages (and PPO values) to float tolerance
     m1, m2 = _untimed(tmp_path / "one" / "metrics.jsonl"), _untimed(tmp_path / "two" / "metrics.jsonl")
     _assert_close(m1, m2)
-    # the schedule moved once per optimizer step on both (accelerate would step it once per process)
-    assert [m["lr"] for m in m1] == [m["lr"] for m in m2] and len({m["lr"] for m in m1}) == 3
-    assert m1[0]["optimizer_steps"] == m2[0]["optimizer_steps"] > 1
+    # the schedule moved exactly once per optimizer step on both (accelerate's would move once per process)
+    per_step = m1[0]["optimizer_steps"]
+    assert per_step == m2[0]["optimizer_steps"] == 4
+    expected = _schedule(sets, total=3 * per_step)
+    assert [m["lr"] for m in m1] == [m["lr"] for m in m2] == pytest.approx([expected[4], expected[8], expected[12]])
     files = {p.name for p in (tmp_path / "two" / "checkpoint-3").iterdir()}
     assert {"random_states_0.pkl", "random_states_1.pkl", "adapter_model.safetensors", "manifest.json"} <= files
 
