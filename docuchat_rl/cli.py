@@ -281,7 +281,7 @@ def cmd_audit(args) -> int:
     from rich.console import Console
 
     from .audit import AuditError, TraceStore, compare, export
-    from .report import html_report, print_findings, print_records, print_summary
+    from .report import html_report, print_records, print_summary
 
     console = Console()
     if args.compare:

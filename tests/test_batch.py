@@ -5,7 +5,6 @@ import torch
 
 from docuchat_rl.batch import build_batch, policy_forward
 from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, render_prompt
-from docuchat_rl.generation import generate
 
 from .conftest import with_lora
 
