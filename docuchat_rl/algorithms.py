@@ -214,7 +214,8 @@ class ActorCritic(Algorithm):
         batch.advantages = whiten(adv, mask, reduce=self.reduce) if a.whiten_advantages else adv * mask
         v, r = batch.values, batch.returns
         n, sv, sr, err = self.reduce(torch.stack([  # whole-batch sums, over every process
-            mask.sum(), (v * mask).sum(), (r * mask).sum(), ((v - r) ** 2 * mask).sum()])).clamp(min=1.0)
+            mask.sum(), (v * mask).sum(), (r * mask).sum(), ((v - r) ** 2 * mask).sum()]))
+        n = n.clamp(min=1.0)
         return {"value/mean": float(sv / n), "value/error": float(err / n), "return/mean": float(sr / n),
                 "value/explained_variance": explained_variance(v, r, mask, self.reduce)}
 

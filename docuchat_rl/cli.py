@@ -24,6 +24,13 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set rollout.num_generations=4 (repeatable)")
 
 
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sample", action="store_true", help="sample with rollout.temperature/top_p/top_k (default greedy)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (implies --sample)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass (implies --sample)")
+    p.add_argument("--top-k", type=int, default=None, help="top-k (implies --sample)")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="docuchat-rl", description="Teach small language models to reason with RL "
                                  "(GRPO; PPO and A2C) on LoRA adapters, with traced rewards.")
@@ -48,18 +55,14 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--file", help="a .jsonl (prompt column, answer column if any) or .txt file of prompts")
     src.add_argument("--held-out", type=int, metavar="N", help="the first N rows of data.test (with gold answers)")
     g.add_argument("--n", type=int, default=1, help="completions per prompt (more than 1 samples)")
-    g.add_argument("--sample", action="store_true", help="sample with rollout.temperature/top_p/top_k (default greedy)")
-    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (implies --sample)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus mass (implies --sample)")
-    g.add_argument("--top-k", type=int, default=None, help="top-k (implies --sample)")
+    _sampling_args(g)
     g.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens or rollout's")
     g.add_argument("--score", action="store_true", help="score each completion with the configured rewards")
     g.add_argument("--json", action="store_true", help="one JSON record per completion, one per line")
     ch = sub.add_parser("chat", help="an interactive multi-turn chat with the base model or a checkpoint")
     _common(ch)
     ch.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter)")
-    ch.add_argument("--sample", action="store_true", help="sample (default greedy)")
-    ch.add_argument("--temperature", type=float, default=None)
+    _sampling_args(ch)
     ch.add_argument("--max-new-tokens", type=int, default=256)
     x = sub.add_parser("export", help="merge a checkpoint's adapter into the base model: a standalone HF folder")
     _common(x)
@@ -153,13 +156,12 @@ def _config_for(args):
 
 
 def _sampling(args, cfg) -> dict:
-    explicit = [v is not None for v in (args.temperature, getattr(args, "top_p", None), getattr(args, "top_k", None))]
-    do_sample = args.sample or any(explicit) or getattr(args, "n", 1) > 1
-    r = cfg.rollout
+    """generate() keywords from --sample/--temperature/--top-p/--top-k (the recipe's rollout settings
+    for any not given); any of them, or --n above 1, means sampling."""
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    do_sample = args.sample or any(v is not None for v in given.values()) or getattr(args, "n", 1) > 1
     return {"do_sample": do_sample,
-            "temperature": r.temperature if args.temperature is None else args.temperature,
-            "top_p": r.top_p if getattr(args, "top_p", None) is None else args.top_p,
-            "top_k": r.top_k if getattr(args, "top_k", None) is None else args.top_k}
+            **{k: getattr(cfg.rollout, k) if v is None else v for k, v in given.items()}}
 
 
 def _examples(args, cfg):
@@ -346,20 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         f"docuchat-rl: warning: {message}\n" if issubclass(category, CheckpointWarning)
         else plain(message, category, *a, **k))
 
+    commands = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "generate": cmd_generate,
+                "chat": cmd_chat, "export": cmd_export, "audit": cmd_audit}
     try:
-        if args.command == "train":
-            return cmd_train(args)
-        if args.command == "eval":
-            return cmd_eval(args)
-        if args.command == "config":
-            return cmd_config(args)
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "chat":
-            return cmd_chat(args)
-        if args.command == "export":
-            return cmd_export(args)
-        return cmd_audit(args)
+        return commands[args.command](args)
     except (ConfigError, DataError, AuditError, TrainingError, ModelError, CheckpointError, RewardError,
             FileNotFoundError, FileExistsError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)

@@ -32,11 +32,10 @@ def config_of_checkpoint(adapter: str | Path) -> dict | None:
     return json.loads(path.read_text())["config"] if path.exists() else None
 
 
-def load_policy(cfg: Config, adapter: str | Path | None, dtype: str | None = None):
+def load_policy(cfg: Config, adapter: str | Path | None):
     """(model, tokenizer): the configured base model, with the checkpoint's adapter when given."""
     m = cfg.model
-    model, tok = load_model_and_tokenizer(m.name_or_path, dtype or m.dtype, m.device, m.trust_remote_code,
-                                          m.revision)
+    model, tok = load_model_and_tokenizer(m.name_or_path, m.dtype, m.device, m.trust_remote_code, m.revision)
     if adapter is not None:
         from peft import PeftModel
 
@@ -110,21 +109,13 @@ def export_merged(cfg: Config, adapter: str | Path, out: str | Path, dtype: str 
     """Merge the checkpoint's adapter into the base weights and save a standalone model folder."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from .errors import ModelError
+    from transformers import GenerationConfig
 
     out, adapter = Path(out), Path(adapter)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export folder {out} is not empty; give a new folder")
     m = cfg.model
-    torch_dtype = "auto" if dtype == "base" else getattr(torch, dtype)
-    try:
-        base = AutoModelForCausalLM.from_pretrained(m.name_or_path, dtype=torch_dtype, revision=m.revision,
-                                                    trust_remote_code=m.trust_remote_code)
-    except OSError as e:
-        raise ModelError(f"model.name_or_path {m.name_or_path!r} could not be loaded: {str(e).splitlines()[0]}") from None
-    _, tok = load_model_and_tokenizer(m.name_or_path, "float32", "cpu", m.trust_remote_code, m.revision)
+    base, tok = load_model_and_tokenizer(m.name_or_path, dtype, "cpu", m.trust_remote_code, m.revision)
     lm_head = base.get_output_embeddings()
     if getattr(base.config, "tie_word_embeddings", False) and lm_head is not None and \
             lm_head.weight is base.get_input_embeddings().weight:

@@ -32,7 +32,10 @@ def pick_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
+    """auto: float32 on a CPU, bfloat16 (else float16) on a GPU; base: the dtype the checkpoint was saved in."""
+    if dtype == "base":
+        return "auto"  # transformers' "auto" reads the checkpoint's own dtype
     if dtype != "auto":
         return getattr(torch, dtype)
     if device.type == "cuda":

@@ -166,7 +166,7 @@ class Trainer:
         sampler = PromptSampler(len(self.examples), cfg.run.seed)
         offsets = {}
         if resume_dir:
-            state = load_training_state(resume_dir, model=self.unwrapped, critic=critic,
+            state = load_training_state(resume_dir, model=self.model, critic=critic,
                                         separate_critic=self.separate_critic, accelerator=self.accelerator)
             self.step, self.run_id, offsets = state["step"], state["run_id"], state["offsets"]
             self.nonfinite_streak = state.get("nonfinite_streak", 0)
@@ -193,11 +193,6 @@ class Trainer:
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
         self.wandb = self._init_wandb()
 
-    @property
-    def unwrapped(self):
-        """The peft model without accelerate's wrapper."""
-        return self.accelerator.unwrap_model(self.model)
-
     # ---------------------------------------------------------------- set-up checks
     def _check_lengths(self, prompt_texts: list[str]) -> None:
         limit = self.cfg.data.max_prompt_tokens
@@ -214,7 +209,7 @@ class Trainer:
                     f"rollout.max_new_tokens; shorten it, filter the data, or raise the limit")
 
     def _init_wandb(self):
-        if not self.cfg.logging.wandb or not self.accelerator.is_main_process:
+        if not self.cfg.logging.wandb or not self.is_main:
             return None
         import wandb
 
@@ -224,7 +219,7 @@ class Trainer:
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
         """Rollout and score phases of the next step (see rollout.Collector)."""
-        return self.collector.collect(self.unwrapped, timer, self.step + 1)
+        return self.collector.collect(self.model, timer, self.step + 1)
 
     def prepare(self, rollout: Rollout) -> Batch:
         """The used groups as a batch on the training device."""
@@ -233,32 +228,29 @@ class Trainer:
                                 f"{self.cfg.rollout.max_resample_rounds + 1} rounds")
         return rollout.batch(self.tokenizer.pad_token_id).to(self.accelerator.device)
 
-    def forward(self, model, mb: Batch, **kw):
-        """policy_forward, plus the hidden states the critic reads: the same forward's (shared backbone)
-        or a second forward through the critic's own adapter (separate backbone)."""
-        critic = self.algo.critic is not None
+    def forward(self, mb: Batch, with_critic: bool = True, **kw):
+        """policy_forward with the run's settings, plus (`with_critic`, when the algorithm has a critic) the
+        hidden states the critic reads: the same forward's (shared backbone) or a second forward through
+        the critic's own adapter (separate backbone)."""
+        critic = with_critic and self.algo.critic is not None
         kw.update(temperature=self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt,
                   logit_chunk=self.logit_chunk)
-        out = policy_forward(model, mb, with_hidden=critic and not self.separate_critic, **kw)
+        out = policy_forward(self.model, mb, with_hidden=critic and not self.separate_critic, **kw)
         if critic and self.separate_critic:
-            with active_adapter(self.unwrapped, CRITIC_ADAPTER, self.params):
-                out.hidden = policy_forward(model, mb, with_hidden=True, **kw).hidden  # [r, T, H]
+            with active_adapter(self.model, CRITIC_ADAPTER, self.params):
+                out.hidden = policy_forward(self.model, mb, with_hidden=True, **kw).hidden  # [r, T, H]
         return out
 
     def _rollout_pass(self, batch: Batch, logps_into: str | None, values: bool,
                       disable_adapter: bool = False) -> None:
         """One no-grad pass over the batch, micro-batch by micro-batch, filling batch.<logps_into> [R, T]
         with log-probs and, with a critic, batch.values [R, T] from the same forward's hidden states."""
-        model = self.unwrapped
         logps = torch.zeros_like(batch.completion_mask)  # [R, T]
         vals = torch.zeros_like(batch.completion_mask)  # [R, T]
-        ctx = model.disable_adapter() if disable_adapter else contextlib.nullcontext()
+        ctx = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         with torch.no_grad(), ctx:
             for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
-                mb = batch.select(rows)
-                out = self.forward(model, mb) if values else policy_forward(
-                    model, mb, self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt,
-                    logit_chunk=self.logit_chunk)
+                out = self.forward(batch.select(rows), with_critic=values)
                 logps[rows, :out.logps.shape[1]] = out.logps
                 if values:
                     vals[rows, :out.logps.shape[1]] = self.algo.critic(out.hidden)
@@ -308,7 +300,7 @@ class Trainer:
                     total = 0.0
                     for rows in mb_rows.split(cfg.optim.micro_batch_size) if len(mb_rows) else []:
                         mb = batch.select(rows)
-                        out = self.forward(self.model, mb, with_entropy=True,
+                        out = self.forward(mb, with_entropy=True,
                                            entropy_grad=self.algo.entropy_grad)
                         loss, m = self.algo.loss(out, mb, norm)
                         self.accelerator.backward(loss)
@@ -371,8 +363,7 @@ class Trainer:
         m.update({"completion_len/mean": float(lengths.mean()), "completion_len/max": int(lengths.max()),
                   "truncated_frac": float(np.mean([r["truncated"] for r in records])),
                   "reward_missing": sum(r["total_missing"] for r in records),
-                  "prompts_sampled": len({(r["group"], r["prompt_id"]) for r in records if r["sample"] == 0})
-                  if self.dist.active else rollout.prompts_sampled,
+                  "prompts_sampled": sum(self.dist.gather([rollout.prompts_sampled])),
                   "groups_used": len({r["group"] for r in records if r["group"] is not None}), "kl": None})
         m.update(metrics)
         rollout_s = float(self.dist.max(torch.tensor([timer.seconds.get("rollout", 0.0)])))
@@ -394,7 +385,7 @@ class Trainer:
                                      "evals": self.evals.offset} if self.is_main else {}}
 
         def write_into(folder: Path) -> None:
-            write_training_state(folder, model=self.unwrapped, tokenizer=self.tokenizer, critic=self.algo.critic,
+            write_training_state(folder, model=self.model, tokenizer=self.tokenizer, critic=self.algo.critic,
                                  accelerator=self.accelerator, config=self.cfg.to_dict(),
                                  trainer_state=trainer_state, main=self.is_main)
 
@@ -415,9 +406,8 @@ class Trainer:
 
         if not self.is_main:
             return {}
-        return evaluate(self.unwrapped, self.tokenizer, self.cfg, self.held_out())
+        return evaluate(self.model, self.tokenizer, self.cfg, self.held_out())
 
-    # ---------------------------------------------------------------- the loop
     # ---------------------------------------------------------------- preemption
     @contextlib.contextmanager
     def _signals(self):
@@ -489,7 +479,7 @@ class Trainer:
         dropped and replayed on resume, its random draws and data position rewound) or after a step."""
         cfg, history = self.cfg, []
         bar = None
-        if cfg.logging.progress and self.accelerator.is_main_process:
+        if cfg.logging.progress and self.is_main:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", dynamic_ncols=True)

@@ -117,3 +117,20 @@ def test_policy_loss_logs_the_sampler_mismatch_and_weights_tokens_with_correctio
     assert corrected["sampler/capped_share"] == pytest.approx(1 / 4)  # exp(-0.5) = 0.61 < 0.7: masked
     # at mu = 1 the ratio is 1, so the loss is -mean over rows of the mean of A * w over tokens
     assert float(loss) == pytest.approx(-((1.0 + 0.0) / 2 + (-1.0 - 1.0) / 2) / 2, rel=1e-6)
+
+
+def test_actor_critic_value_statistics_against_a_hand_computation():
+    """value/mean, return/mean and value/error are masked means over the batch's completion tokens."""
+    cfg = load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1", "rollout.prompts_per_step=2",
+                             "algorithm.gamma=1.0", "algorithm.lam=1.0"])
+    algo = get_algorithm_class("ppo")(cfg, 8)
+    batch = _batch([0.5, -0.25], [0, 1], [[-1.0, -1.0, -1.0], [-1.0]])
+    batch.values = torch.tensor([[0.1, -0.2, 0.3], [0.05, 0.0, 0.0]]) * batch.completion_mask
+    m = algo.advantages(batch)
+    mask = batch.completion_mask.bool()
+    # gamma = lam = 1: every token's return is its row's reward
+    returns = torch.tensor([[0.5, 0.5, 0.5], [-0.25, 0.0, 0.0]])
+    assert torch.allclose(batch.returns[mask], returns[mask])
+    assert m["value/mean"] == pytest.approx(float(batch.values[mask].mean()), abs=1e-6)  # 0.0625, below 1
+    assert m["return/mean"] == pytest.approx(float(returns[mask].mean()), abs=1e-6)
+    assert m["value/error"] == pytest.approx(float(((batch.values - returns)[mask] ** 2).mean()), abs=1e-6)

@@ -244,7 +244,7 @@ def test_separate_critic_adapter_keeps_value_gradients_off_the_policy_adapter(tm
         grads = {}
         for part in ("value", "policy"):
             t.optimizer.zero_grad(set_to_none=True)
-            out = t.forward(t.model, batch, with_entropy=True)
+            out = t.forward(batch, with_entropy=True)
             if part == "value":
                 loss = t.algo.critic_terms(out, batch, norm, None)[0]
             else:
