@@ -75,8 +75,8 @@ def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], re
     once: the shared-prompt forward and the advantage estimators read `group` and nothing else)."""
     if any(b not in (a, a + 1) for a, b in zip([-1] + group[:-1], group)) or (group and group[0] != 0):
         raise ValueError(f"rows must come in contiguous groups numbered 0, 1, ...; got {group}")
-    lp = max(map(len, prompt_ids))
-    t = max(1, max(map(len, completion_ids)))
+    lp = max(map(len, prompt_ids), default=0)  # (no rows: a process whose groups were all dropped)
+    t = max(1, max(map(len, completion_ids), default=0))
     r = len(prompt_ids)
     ids = torch.full((r, lp + t), pad_id, dtype=torch.long)  # [R, Lp + T]
     att = torch.zeros((r, lp + t), dtype=torch.long)  # [R, Lp + T]

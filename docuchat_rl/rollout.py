@@ -27,6 +27,7 @@ from rewards.composite import BatchResult, RewardRecord
 from .batch import Batch, build_batch
 from .config import RolloutConfig
 from .data import Example, PromptSampler, reward_inputs
+from .distributed import Dist
 from .generation import Generation, generate
 from .modeling import merged_adapter
 
@@ -49,6 +50,7 @@ class Completion:
     """One sampled completion and everything the later phases read about it."""
 
     example: Example
+    slot: int  # its prompt's position among the step's sampled prompts (all processes, all rounds)
     sample: int  # index within its group
     prompt_ids: list[int]  # the prompt's tokens, unpadded
     ids: list[int]  # the completion's tokens, EOS included when emitted
@@ -57,39 +59,45 @@ class Completion:
     truncated: bool  # no EOS within max_new_tokens
     reward: RewardRecord
     used: bool  # False when dynamic sampling dropped its group (traced, not trained on)
-    group: int | None  # index among the step's used groups; None when not used
+    group: int | None  # index among the step's used groups (of all processes); None when not used
 
 
 @dataclass
 class Rollout:
-    """A step's completions in sampling order (this process's share of the step), and how many prompts and
-    rounds it took. `group_offset` is the global index of its first group (its rank's first prompt slot)."""
+    """This process's share of a step's completions, in sampling order, and the step's totals over all
+    processes: prompts sampled, groups used and sampling rounds."""
 
     completions: list[Completion]
     prompts_sampled: int
+    groups_used: int
     rounds: int
-    group_offset: int = 0
 
     @property
     def used(self) -> list[Completion]:
         return [c for c in self.completions if c.used]
 
+    @property
+    def global_groups(self) -> list[int]:
+        """The step-wide index of each of this process's used groups, in batch order (Batch.group k is
+        the group global_groups[k])."""
+        return sorted({c.group for c in self.used})
+
     def batch(self, pad_id: int) -> Batch:
-        """The used completions as tensors, groups contiguous in sampling order."""
+        """The used completions as tensors, groups contiguous in sampling order and numbered from 0 on
+        this process (no rows when dynamic sampling kept none of this process's groups)."""
         used = self.used
-        if not used:
-            raise ValueError("no completion of this step is used")
+        local = {g: k for k, g in enumerate(self.global_groups)}
         return build_batch([c.prompt_ids for c in used], [c.ids for c in used], [c.reward.total for c in used],
-                           [c.group for c in used], pad_id, sampler_logps=[c.sampler_logps for c in used],
+                           [local[c.group] for c in used], pad_id, sampler_logps=[c.sampler_logps for c in used],
                            reward_valid=[not c.reward.total_missing for c in used])
 
-    def trace_records(self, step: int, run_id: str, per_row: dict[str, list]) -> list[dict]:
-        """One trace record per completion; `per_row` holds algorithm values for the used rows, in order."""
+    def trace_records(self, step: int, run_id: str, per_row: dict[str, list]) -> list[tuple[int, dict]]:
+        """One (slot, trace record) per completion; `per_row` holds algorithm values for the used rows, in
+        order. Sorting every process's pairs by slot (stably) gives the one-process order."""
         records, used_i = [], 0
         for c in self.completions:
             rec = c.reward
-            group = None if c.group is None else c.group + self.group_offset
-            record = {"run_id": run_id, "step": step, "prompt_id": c.example.prompt_id, "group": group,
+            record = {"run_id": run_id, "step": step, "prompt_id": c.example.prompt_id, "group": c.group,
                       "sample": c.sample, "used": c.used, "prompt": c.example.question, "completion": c.text,
                       "gold": c.example.answer, "completion_tokens": len(c.ids), "truncated": c.truncated,
                       "rewards": {k: v.as_dict() for k, v in rec.components.items()},
@@ -97,7 +105,7 @@ class Rollout:
             for k, values in per_row.items():
                 record[k] = values[used_i] if c.used else None
             used_i += c.used
-            records.append(record)
+            records.append((c.slot, record))
         return records
 
 
@@ -116,13 +124,19 @@ def row_seed(seed: int, step: int, slot: int, sample: int) -> int:
 
 
 class Collector:
-    """Samples and scores a step's groups with the current model (rollout + score phases)."""
+    """Samples and scores a step's groups with the current model (rollout + score phases).
+
+    Several processes: every process draws each round's global prompt list from the same sampler and
+    samples, scores and keeps a contiguous share of it. Under dynamic sampling, which groups are kept is
+    decided on the gathered "rewards varied" flags of the whole round, in slot order, so every process
+    knows the step's global group numbering and runs the same number of rounds (and so of collectives).
+    """
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
-                 reward: CompositeReward, sampler: PromptSampler, seed: int = 0, rank: int = 0, world: int = 1):
+                 reward: CompositeReward, sampler: PromptSampler, seed: int = 0, dist: Dist | None = None):
         self.cfg, self.tokenizer, self.examples = cfg, tokenizer, examples
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
-        self.rank, self.world = rank, world  # every process draws the step's global prompt list, keeps its share
+        self.dist = dist or Dist()
 
     def sample(self, model, idx: list[int], seeds: list[int] | None = None) -> tuple[Generation, list[str]]:
         """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts;
@@ -139,33 +153,42 @@ class Collector:
 
     def collect(self, model, timer: Timer, step: int) -> Rollout:
         """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""
-        r, g = self.cfg, self.cfg.num_generations
+        r, g, dist = self.cfg, self.cfg.num_generations, self.dist
         completions: list[Completion] = []
-        kept = rounds = sampled = 0
-        share = r.prompts_per_step // self.world  # dynamic sampling runs on one process only
-        first = self.rank * share
+        kept = rounds = sampled = 0  # over all processes
         while True:
-            idx = self.sampler.take(r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step)
-            if self.world > 1:
-                idx = idx[first:first + share]
+            n = r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step
+            lo, hi = dist.rank * n // dist.world, (dist.rank + 1) * n // dist.world
+            idx = self.sampler.take(n)[lo:hi]  # this process's share of the round's prompts
             examples = [self.examples[i] for i in idx for _ in range(g)]
-            seeds = [row_seed(self.seed, step, first + sampled + p, s) for p in range(len(idx)) for s in range(g)]
-            with timer("rollout"):
-                gen, texts = self.sample(model, idx, seeds)
-            with timer("score"):
-                result = score(self.reward, examples, texts, gen)
-            for p in range(len(idx)):
-                rows = range(p * g, (p + 1) * g)
-                totals = [result.records[i].total for i in rows]
-                varied = max(totals) - min(totals) > 1e-8 or g == 1
-                use = (varied or not r.dynamic_sampling) and kept < r.prompts_per_step
-                for s, i in enumerate(rows):
-                    completions.append(Completion(
-                        example=examples[i], sample=s, prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i],
-                        sampler_logps=gen.logps[i], text=texts[i], truncated=gen.truncated[i],
-                        reward=result.records[i], used=use, group=kept if use else None))
+            seeds = [row_seed(self.seed, step, sampled + lo + p, s) for p in range(len(idx)) for s in range(g)]
+            varied, records = [], []
+            if idx:
+                with timer("rollout"):
+                    gen, texts = self.sample(model, idx, seeds)
+                with timer("score"):
+                    records = score(self.reward, examples, texts, gen).records
+                for p in range(len(idx)):
+                    totals = [records[i].total for i in range(p * g, (p + 1) * g)]
+                    varied.append(max(totals) - min(totals) > 1e-8 or g == 1)
+            if not r.dynamic_sampling:
+                varied = [True] * n  # every group is used
+            elif dist.active:
+                varied = dist.gather(varied)  # the whole round's flags, in slot order
+            group_of = []  # the step-wide group of each of the round's prompts (None: dropped)
+            for v in varied:
+                use = v and kept < r.prompts_per_step
+                group_of.append(kept if use else None)
                 kept += use
-            sampled += len(idx)
+            for p in range(len(idx)):
+                group = group_of[lo + p]
+                for s in range(g):
+                    i = p * g + s
+                    completions.append(Completion(
+                        example=examples[i], slot=sampled + lo + p, sample=s, prompt_ids=gen.prompt_ids[i],
+                        ids=gen.completion_ids[i], sampler_logps=gen.logps[i], text=texts[i],
+                        truncated=gen.truncated[i], reward=records[i], used=group is not None, group=group))
+            sampled += n
             rounds += 1
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
-                return Rollout(completions, sampled, rounds, group_offset=first)
+                return Rollout(completions, sampled, kept, rounds)

@@ -19,8 +19,7 @@ Several processes (`torchrun`, `accelerate launch`): every process draws the ste
 samples, scores and trains its share of the groups; gradients are summed across processes per minibatch
 (distributed.py); the main process writes the traces, metrics and checkpoint files.
 
-Deliberately left out: serving engines (vLLM, SGLang) for the rollout, sharded parameters (FSDP/ZeRO),
-and dynamic sampling on several processes.
+Deliberately left out: serving engines (vLLM, SGLang) for the rollout, sharded parameters (FSDP/ZeRO).
 """
 
 from __future__ import annotations
@@ -119,9 +118,6 @@ class Trainer:
         if cfg.rollout.prompts_per_step % self.dist.world:
             raise TrainingError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the "
                                 f"number of processes ({self.dist.world}): each process samples whole groups")
-        if cfg.rollout.dynamic_sampling and self.dist.active:
-            raise TrainingError("rollout.dynamic_sampling runs on one process only for now; turn it off to "
-                                f"train on {self.dist.world} processes")
         model, self.tokenizer = load_model_and_tokenizer(
             cfg.model.name_or_path, cfg.model.dtype, str(self.accelerator.device),
             cfg.model.trust_remote_code, cfg.model.revision)
@@ -180,7 +176,7 @@ class Trainer:
                               f"on {self.dist.world}: the run goes on, but not bit-exactly (sums run in "
                               "another order)", CheckpointWarning, stacklevel=2)
         self.collector = Collector(cfg.rollout, self.tokenizer, self.examples, prompt_texts, self.reward, sampler,
-                                   cfg.run.seed, self.dist.rank, self.dist.world)
+                                   cfg.run.seed, self.dist)
         self.traces = self.metrics = self.evals = None  # the main process writes every process's records
         if self.is_main:
             self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets.get("traces"))
@@ -222,8 +218,8 @@ class Trainer:
         return self.collector.collect(self.model, timer, self.step + 1)
 
     def prepare(self, rollout: Rollout) -> Batch:
-        """The used groups as a batch on the training device."""
-        if not rollout.used:
+        """This process's used groups as a batch on the training device (it may have none of them)."""
+        if not rollout.groups_used:
             raise TrainingError("dynamic sampling found no group with varied rewards in "
                                 f"{self.cfg.rollout.max_resample_rounds + 1} rounds")
         return rollout.batch(self.tokenizer.pad_token_id).to(self.accelerator.device)
@@ -249,7 +245,7 @@ class Trainer:
         vals = torch.zeros_like(batch.completion_mask)  # [R, T]
         ctx = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         with torch.no_grad(), ctx:
-            for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size):
+            for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size) if batch.rows else []:
                 out = self.forward(batch.select(rows), with_critic=values)
                 logps[rows, :out.logps.shape[1]] = out.logps
                 if values:
@@ -270,14 +266,16 @@ class Trainer:
                 self._rollout_pass(batch, "ref_logps", values=False, disable_adapter=True)
             return self.algo.advantages(batch)
 
-    def minibatches(self, batch: Batch, group_offset: int = 0) -> list[torch.Tensor]:
-        """The rows of each of the step's `n_minibatches` minibatches: group g (its global index) goes to
-        minibatch g mod n. The same groups make up a minibatch whatever the number of processes, every
-        process gets its share of each, and an under-filled batch still makes n minibatches."""
-        g = batch.group + group_offset  # [R] global group index
+    def minibatches(self, batch: Batch, global_groups: list[int] | None = None) -> list[torch.Tensor]:
+        """The rows of each of the step's `n_minibatches` minibatches: group g (its step-wide index,
+        `global_groups[batch.group]`) goes to minibatch g mod n. The same groups make up a minibatch whatever
+        the number of processes, every process gets its share of each, and an under-filled batch still
+        makes n minibatches."""
+        g = batch.group if global_groups is None else torch.tensor(global_groups, dtype=torch.long,
+                                                                    device=batch.group.device)[batch.group]  # [R]
         return [torch.nonzero(g % self.n_minibatches == k).squeeze(-1) for k in range(self.n_minibatches)]
 
-    def update(self, batch: Batch, timer: Timer, group_offset: int = 0) -> dict[str, float]:
+    def update(self, batch: Batch, timer: Timer, global_groups: list[int] | None = None) -> dict[str, float]:
         """`num_iterations` passes of a fixed number of optimizer steps over the batch. An under-filled
         batch (dynamic sampling out of rounds) is split into as many minibatches as a full one, so the
         schedule's horizon and the steps per rollout never change. A minibatch whose loss or gradient
@@ -292,10 +290,10 @@ class Trainer:
         self.model.train()
         with timer("update"):
             for _ in range(cfg.algorithm.num_iterations):
-                for mb_rows in self.minibatches(batch, group_offset):
+                for mb_rows in self.minibatches(batch, global_groups):
                     mask = batch.completion_mask[mb_rows]
-                    rows, tokens = dist.sum(torch.tensor([float(len(mb_rows)), float(mask.sum())])).tolist()
-                    norm = Normalisers(rows=max(int(rows), 1), tokens=tokens,
+                    n_rows, tokens = dist.sum(torch.tensor([float(len(mb_rows)), float(mask.sum())])).tolist()
+                    norm = Normalisers(rows=max(int(n_rows), 1), tokens=tokens,
                                        max_new_tokens=cfg.rollout.max_new_tokens)
                     total = 0.0
                     for rows in mb_rows.split(cfg.optim.micro_batch_size) if len(mb_rows) else []:
@@ -312,7 +310,8 @@ class Trainer:
                             else:
                                 sums[k] += v * w
                         weight += w
-                    dist.sum_grads(self.params)
+                    if n_rows:  # (a minibatch with no rows on any process leaves every gradient None, as on one)
+                        dist.sum_grads(self.params)
                     total = float(dist.sum(torch.tensor([total], dtype=torch.float64)))
                     max_norm = cfg.optim.max_grad_norm or float("inf")
                     grad_norm = float(self.accelerator.clip_grad_norm_(self.params, max_norm))
@@ -331,12 +330,14 @@ class Trainer:
                                 f"checkpoint is intact; optim.max_nonfinite_steps is {cfg.optim.max_nonfinite_steps})")
                     self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
-        keys = sorted(sums)  # the same metric keys on every process (they follow from the config)
+        # the union of every process's metric keys (a process may have had no rows in this step)
+        keys = sorted(set(dist.gather(list(sums))))
         packed = dist.sum(torch.tensor([weight] + [sums[k] for k in keys], dtype=torch.float64)).tolist()
         out = {k: v / max(packed[0], 1.0) for k, v in zip(keys, packed[1:])}
-        if maxima:
-            mkeys = sorted(maxima)
-            out.update(zip(mkeys, dist.max(torch.tensor([maxima[k] for k in mkeys], dtype=torch.float64)).tolist()))
+        mkeys = sorted(set(dist.gather(list(maxima))))
+        if mkeys:
+            top = torch.tensor([maxima.get(k, -math.inf) for k in mkeys], dtype=torch.float64)
+            out.update(zip(mkeys, dist.max(top).tolist()))
         out.update(loss=float(np.mean(losses)) if losses else None,
                    grad_norm=float(np.mean(grad_norms)) if grad_norms else None,
                    lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses), nonfinite_skipped=skipped)
@@ -347,7 +348,8 @@ class Trainer:
         """Write every process's trace records (the main process, in the one-process order) and the step's
         metrics record, computed over all of them."""
         with timer("log"):  # the trace records' writing (the metrics record carries these timings)
-            records = self.dist.gather(rollout.trace_records(step, self.run_id, self.algo.trace_fields(batch)))
+            pairs = self.dist.gather(rollout.trace_records(step, self.run_id, self.algo.trace_fields(batch)))
+            records = [rec for _, rec in sorted(pairs, key=lambda pair: pair[0])]  # one-process order (stable)
             if self.traces is not None:
                 self.traces.write(records)
         totals = np.array([r["total"] for r in records])
@@ -363,7 +365,7 @@ class Trainer:
         m.update({"completion_len/mean": float(lengths.mean()), "completion_len/max": int(lengths.max()),
                   "truncated_frac": float(np.mean([r["truncated"] for r in records])),
                   "reward_missing": sum(r["total_missing"] for r in records),
-                  "prompts_sampled": sum(self.dist.gather([rollout.prompts_sampled])),
+                  "prompts_sampled": rollout.prompts_sampled,
                   "groups_used": len({r["group"] for r in records if r["group"] is not None}), "kl": None})
         m.update(metrics)
         rollout_s = float(self.dist.max(torch.tensor([timer.seconds.get("rollout", 0.0)])))
@@ -498,7 +500,7 @@ class Trainer:
                         self._restore(snapshot)
                         self._stop_here()
                     self._phase("update")
-                    extra.update(self.update(batch, timer, rollout.group_offset))
+                    extra.update(self.update(batch, timer, rollout.global_groups))
                     if cfg.eval.every and cfg.data.test and step % cfg.eval.every == 0:
                         self._phase("eval")
                         result = self.evaluate()

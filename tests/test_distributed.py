@@ -76,7 +76,12 @@ def _assert_close(a, b):
     ("a2c", ["rollout.num_generations=1", "rollout.prompts_per_step=8", "optim.micro_batch_size=2",
              "algorithm.critic_backbone=separate", "algorithm.n_steps=8", "optim.warmup_steps=2",
              "optim.schedule=cosine"]),
-], ids=["grpo", "ppo", "a2c-separate-critic"])
+    # seed 5, step 2: process 0's only group is dropped and three refill rounds of one prompt go to process 1,
+    # so process 0 trains on no rows (it still joins every collective) and the batch ends under-filled
+    ("default", ["algorithm.num_iterations=2", "rollout.prompts_per_step=2", "optim.minibatch_size=4",
+                 "optim.micro_batch_size=4", "optim.schedule=cosine", "optim.warmup_steps=3", "run.seed=5",
+                 "rollout.dynamic_sampling=true", "algorithm.loss_aggregation=dapo", "rollout.max_resample_rounds=3"]),
+], ids=["grpo", "ppo", "a2c-separate-critic", "grpo-dynamic-sampling"])
 def test_two_processes_equal_one(tmp_path, recipe, sets):
     opts = ["run.steps=3", "checkpoint.every=3", *sets]
     _train(tmp_path / "one", 1, *opts, recipe=recipe)
@@ -92,6 +97,8 @@ def test_two_processes_equal_one(tmp_path, recipe, sets):
     assert per_step == m2[0]["optimizer_steps"] == (1 if recipe == "a2c" else 4)
     expected = _schedule(sets, total=3 * per_step)
     assert [m["lr"] for m in m1] == [m["lr"] for m in m2] == pytest.approx(expected[per_step::per_step])
+    if "rollout.dynamic_sampling=true" in sets:  # groups were dropped, refilled, and one step ran out of rounds
+        assert [(m["prompts_sampled"], m["groups_used"]) for m in m1][1] == (5, 1)
     files = {p.name for p in (tmp_path / "two" / "checkpoint-3").iterdir()}
     assert {"random_states_0.pkl", "random_states_1.pkl", "adapter_model.safetensors", "manifest.json"} <= files
 
