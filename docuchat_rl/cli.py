@@ -99,11 +99,12 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     trainer = Trainer(cfg, resume=args.resume)
     report: dict = {}
-    do_eval = bool(cfg.eval.before_and_after and cfg.data.test and trainer.is_main)  # the main process evaluates
+    do_eval = bool(cfg.eval.before_and_after and cfg.data.test)  # every process evaluates a share of the rows
     try:
         if do_eval and trainer.step == 0:
             report["before"] = trainer.evaluate()
-            print("eval before:", json.dumps(report["before"]), flush=True)
+            if trainer.is_main:
+                print("eval before:", json.dumps(report["before"]), flush=True)
         trainer.train()
     except Preempted as p:
         resume = ["docuchat-rl", "train", *(["--config", args.config] if args.config else []),
@@ -118,9 +119,9 @@ def cmd_train(args) -> int:
         # the periodic eval of the final step is the same evaluation: reuse it
         report["after"] = ({k: v for k, v in last.items() if k not in ("step", "minutes")}
                            if last and last["step"] == trainer.step else trainer.evaluate())
-        print("eval after: ", json.dumps(report["after"]), flush=True)
-        path = Path(cfg.run.output_dir) / "eval.json"
-        path.write_text(json.dumps(report, indent=2) + "\n")
+        if trainer.is_main:
+            print("eval after: ", json.dumps(report["after"]), flush=True)
+            (Path(cfg.run.output_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
     out = Path(cfg.run.output_dir)
     if trainer.is_main:
         print(f"outputs: {out / 'latest'} -> checkpoint, {out / 'metrics.jsonl'}, {out / 'traces.jsonl'}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,13 +23,34 @@ from rewards import CompositeReward
 
 from .config import Config
 from .data import Example, load_examples, render_prompt
+from .distributed import Dist
 from .generation import generate
 from .modeling import merged_adapter
-from .rollout import score
+from .rollout import row_seed, score
+
+EVAL_STEP = 0  # pass@k's random streams are row_seed(run seed, EVAL_STEP, row, sample); training steps start at 1
 
 
-def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None) -> dict:
-    e = cfg.eval
+@dataclass
+class EvalRow:
+    """What evaluation keeps of one held-out row (rows travel between processes as these)."""
+
+    raw: dict[str, float | None]  # each reward component's raw score of the greedy completion
+    tokens: int  # greedy completion length
+    truncated: bool
+    hits: list[float]  # the accuracy component's raw score of each of the pass@k samples (empty when off)
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None, dist: Dist | None = None) -> dict:
+    """The held-out numbers. On several processes (`dist`) each evaluates a contiguous share of the rows
+    and every process returns the numbers over all of them; pass@k draws each sample from its own
+    stream (row_seed), so the numbers do not depend on how rows are split or batched."""
+    e, dist = cfg.eval, dist or Dist()
     if examples is None:
         if not cfg.data.test:
             raise ValueError("data.test is null: nothing to evaluate on")
@@ -40,42 +62,59 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
         specs.append({"name": "format", "weight": 0.0})
     reward = CompositeReward(specs, strict=cfg.rewards.strict, timeout_s=cfg.rewards.timeout_s)
     acc_name = cfg.rewards.accuracy_component
-    prompts = [render_prompt(tokenizer, x.question, cfg.data.system_prompt) for x in examples]
+    k = e.pass_k if e.pass_k and acc_name in reward.names else 0
+    lo, hi = dist.rank * len(examples) // dist.world, (dist.rank + 1) * len(examples) // dist.world
+    mine = examples[lo:hi]  # this process's share
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    engine = cfg.rollout.engine
-
-    def merged():  # a fresh context each time: one sampling pass per `with`
-        return merged_adapter(model) if cfg.rollout.merge_adapter else contextlib.nullcontext()
-
-    with merged():
-        gen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False,
-                       batch_size=e.batch_size, engine=engine)
-    texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-    res = score(reward, examples, texts, gen)
+    rows: list[EvalRow] = []
+    if mine:
+        rows = _evaluate_rows(model, tokenizer, cfg, reward, mine, max_new, k, first=lo)
+    rows = dist.gather(rows)  # every row, in order, on every process
+    model.train(was_training)
     out: dict = {"rows": len(examples), "max_new_tokens": max_new}
     for name in reward.names:
-        vals = [r.components[name].raw for r in res.records if r.components[name].raw is not None]
-        out[f"{name}/mean"] = float(np.mean(vals)) if vals else None
+        out[f"{name}/mean"] = _mean([r.raw[name] for r in rows])
     if acc_name in reward.names:
         out["accuracy"] = out[f"{acc_name}/mean"]
     out["format_rate"] = out["format/mean"]
-    out["completion_len/mean"] = float(np.mean([len(c) for c in gen.completion_ids]))
-    out["truncated_frac"] = float(np.mean(gen.truncated))
-    if e.pass_k and acc_name in reward.names:
-        with torch.random.fork_rng(), merged():  # eval must not shift the training run's random stream
-            torch.manual_seed(cfg.run.seed)
-            sgen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True,
-                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            batch_size=e.batch_size, num_return_sequences=e.pass_k, engine=engine)
-        stexts = tokenizer.batch_decode(sgen.completion_ids, skip_special_tokens=True)
-        k = e.pass_k
-        sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
-        hits = np.array([r.components[acc_name].raw or 0.0 for r in sres.records]).reshape(-1, k)
+    out["completion_len/mean"] = float(np.mean([r.tokens for r in rows]))
+    out["truncated_frac"] = float(np.mean([r.truncated for r in rows]))
+    if k:
+        hits = np.array([r.hits for r in rows])  # [rows, k]
         out[f"pass@{k}"] = float((hits.max(axis=1) > 0).mean())
         out[f"mean@{k}"] = float(hits.mean())
     out["seconds"] = round(time.perf_counter() - t0, 2)
-    model.train(was_training)
     return out
+
+
+def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examples: list[Example], max_new: int,
+                   k: int, first: int) -> list[EvalRow]:
+    """Greedy completions (and k samples each for pass@k) of `examples`, the rows `first`, first + 1, ...
+    of the held-out set, scored."""
+    e, r, acc_name = cfg.eval, cfg.rollout, cfg.rewards.accuracy_component
+    prompts = [render_prompt(tokenizer, x.question, cfg.data.system_prompt) for x in examples]
+
+    def merged():  # a fresh context each time: one sampling pass per `with`
+        return merged_adapter(model) if r.merge_adapter else contextlib.nullcontext()
+
+    with merged():
+        gen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False,
+                       batch_size=e.batch_size, engine=r.engine)
+    texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+    res = score(reward, examples, texts, gen)
+    hits: list[list[float]] = [[] for _ in examples]
+    if k:
+        seeds = [row_seed(cfg.run.seed, EVAL_STEP, first + i, s) for i in range(len(examples)) for s in range(k)]
+        with torch.random.fork_rng(), merged():  # eval must not shift the training run's random stream
+            sgen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True,
+                            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=e.batch_size,
+                            num_return_sequences=k, engine=r.engine, row_seeds=seeds)
+        stexts = tokenizer.batch_decode(sgen.completion_ids, skip_special_tokens=True)
+        sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
+        flat = [rec.components[acc_name].raw or 0.0 for rec in sres.records]
+        hits = [flat[i * k:(i + 1) * k] for i in range(len(examples))]
+    return [EvalRow(raw={n: rec.components[n].raw for n in reward.names}, tokens=len(ids), truncated=bool(trunc),
+                    hits=h) for rec, ids, trunc, h in zip(res.records, gen.completion_ids, gen.truncated, hits)]

@@ -402,13 +402,11 @@ class Trainer:
         return self._eval_examples
 
     def evaluate(self) -> dict:
-        """Held-out evaluation (greedy: it draws no random numbers, so the run is unchanged by it), on the
-        main process; the others get {}."""
+        """Held-out evaluation, each process a share of the rows, the numbers over all of them on every
+        process (greedy, and pass@k from its own streams: the run's random state is unchanged by it)."""
         from .evaluate import evaluate
 
-        if not self.is_main:
-            return {}
-        return evaluate(self.model, self.tokenizer, self.cfg, self.held_out())
+        return evaluate(self.model, self.tokenizer, self.cfg, self.held_out(), self.dist)
 
     # ---------------------------------------------------------------- preemption
     @contextlib.contextmanager
@@ -503,12 +501,12 @@ class Trainer:
                     extra.update(self.update(batch, timer, rollout.global_groups))
                     if cfg.eval.every and cfg.data.test and step % cfg.eval.every == 0:
                         self._phase("eval")
-                        result = self.evaluate()
+                        result = self.evaluate()  # (on every process: each evaluates a share of the rows)
+                        self.last_eval = {"step": step,
+                                          "minutes": round((time.perf_counter() - started) / 60, 3), **result}
                         if self.is_main:
-                            self.last_eval = {"step": step,
-                                              "minutes": round((time.perf_counter() - started) / 60, 3), **result}
                             self.evals.write([self.last_eval])
-                            extra["eval/accuracy"] = self.last_eval.get("accuracy")
+                        extra["eval/accuracy"] = self.last_eval.get("accuracy")
                     self._phase("log")
                     m = self.log(step, rollout, batch, extra, timer)
                     history.append(m)

@@ -1,6 +1,7 @@
 """Data-parallel training on 2 CPU processes (torchrun, gloo) against 1 process: the same completions,
-rewards and advantages, metrics equal to float tolerance, the same learning rate at every step, and a
-2-process stop-and-resume equal to an uninterrupted 2-process run.
+rewards and advantages (under dynamic sampling too), metrics equal to float tolerance, the same learning
+rate at every step, the same held-out numbers from a sharded evaluation, and a 2-process stop-and-resume
+equal to an uninterrupted 2-process run.
 
 Tolerance: metrics within 1e-5 relative or 1e-6 absolute. Two processes sum gradients, token counts and
 metric sums in another order and pad their micro-batches to other widths, so per-token log-probs differ
@@ -70,7 +71,9 @@ def _assert_close(a, b):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,sets", [
     ("default", ["algorithm.num_iterations=2", "optim.minibatch_size=8", "optim.micro_batch_size=4",
-                 "optim.schedule=cosine", "optim.warmup_steps=3", "algorithm.scale=batch"]),
+                 "optim.schedule=cosine", "optim.warmup_steps=3", "algorithm.scale=batch",
+                 # held-out evaluation sharded 4 + 5 rows over the two processes
+                 "eval.every=3", "eval.limit=9", "eval.pass_k=2", "eval.max_new_tokens=24"]),
     ("ppo", ["rollout.num_generations=1", "rollout.prompts_per_step=8", "optim.minibatch_size=4",
              "optim.micro_batch_size=2", "optim.warmup_steps=2", "optim.schedule=cosine"]),
     ("a2c", ["rollout.num_generations=1", "rollout.prompts_per_step=8", "optim.micro_batch_size=2",
@@ -99,6 +102,11 @@ def test_two_processes_equal_one(tmp_path, recipe, sets):
     assert [m["lr"] for m in m1] == [m["lr"] for m in m2] == pytest.approx(expected[per_step::per_step])
     if "rollout.dynamic_sampling=true" in sets:  # groups were dropped, refilled, and one step ran out of rounds
         assert [(m["prompts_sampled"], m["groups_used"]) for m in m1][1] == (5, 1)
+    if "eval.every=3" in sets:  # the same held-out numbers from one process and from two halves
+        drop = ("seconds", "minutes")
+        e1, e2 = ([{k: v for k, v in r.items() if k not in drop} for r in read_jsonl(tmp_path / d / "eval.jsonl")]
+                  for d in ("one", "two"))
+        assert e1 == e2 and e1[0]["rows"] == 9 and "pass@2" in e1[0]
     files = {p.name for p in (tmp_path / "two" / "checkpoint-3").iterdir()}
     assert {"random_states_0.pkl", "random_states_1.pkl", "adapter_model.safetensors", "manifest.json"} <= files
 
