@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import torch
 
-
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
+from .distributed import no_reduce
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: str, eps: float = 1e-4,
-                     valid: torch.Tensor | None = None, reduce=_identity):
+                     valid: torch.Tensor | None = None, reduce=no_reduce):
     """GRPO: (r - group mean) / (std + eps), with std per group, over the batch, or none (Dr. GRPO).
 
     rewards [R]; group [R] long, each row's group index (rows need not be contiguous); valid [R] bool,
@@ -106,7 +104,7 @@ def nstep_returns(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tens
     return out + (gamma ** m.float()) * alive_m * boot
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reduce=_identity) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reduce=no_reduce) -> torch.Tensor:
     """(x - mean) / std over the masked entries (advantage whitening); masked-out entries become 0.
     `reduce` sums over the processes of a data-parallel run, so mean and std are the whole batch's."""
     n, total = reduce(torch.stack([mask.sum(), (x * mask).sum()]))

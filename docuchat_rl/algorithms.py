@@ -25,6 +25,7 @@ import torch
 from .advantages import gae, group_advantages, nstep_returns, whiten
 from .algorithm_configs import A2CConfig, GRPOConfig, PPOConfig
 from .batch import Batch, PolicyOutput
+from .distributed import no_reduce
 from .losses import (Normalisers, aggregate, clipped_surrogate, explained_variance, k3_kl, log_ratio, masked_mean,
                      sampler_weights, value_loss)
 
@@ -73,7 +74,7 @@ class Algorithm:
         if not isinstance(cfg.algorithm, self.config_type):
             raise TypeError(f"{self.name} needs a {self.config_type.__name__}, got {type(cfg.algorithm).__name__}")
         self.cfg = cfg
-        self.reduce = lambda x: x  # sums over the processes of a data-parallel run (set by the trainer)
+        self.reduce = no_reduce  # sums over the processes of a data-parallel run (set by the trainer)
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         raise NotImplementedError

@@ -15,6 +15,12 @@ from __future__ import annotations
 import torch
 
 
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum over the processes of a one-process run: the tensor itself (the default `reduce` of the
+    functions that take one)."""
+    return x
+
+
 class Dist:
     def __init__(self, world: int = 1, rank: int = 0, device: torch.device | None = None):
         self.world, self.rank, self.device = world, rank, device or torch.device("cpu")

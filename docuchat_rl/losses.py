@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .distributed import no_reduce
+
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """log softmax(logits)[ids] without materialising the full log-softmax.
@@ -173,7 +175,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * torch.max(unclipped, clipped)
 
 
-def explained_variance(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reduce=lambda x: x) -> float:
+def explained_variance(pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, reduce=no_reduce) -> float:
     """1 - Var(target - pred) / Var(target) over the masked entries (1 = perfect, 0 = no better than the
     mean); `reduce` sums over the processes of a data-parallel run."""
     d = target - pred

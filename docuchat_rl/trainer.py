@@ -76,31 +76,46 @@ class Trainer:
         self.out_dir = Path(cfg.run.output_dir)
         # every check of the output folder and the checkpoint comes before anything is loaded
         resume_dir = resolve_resume(resume, self.out_dir) if resume else None
-        # several processes (accelerate launch / torchrun): the first one holds the folder and writes the files
-        self.is_main = int(os.environ.get("RANK", "0")) == 0
+        # several processes (accelerate launch / torchrun): the main one holds the folder and writes the files.
+        # (cpu=True on a machine without a GPU: accelerate sets up multi-process CPU runs, on gloo, only then;
+        # the schedule steps once per optimizer step, whatever the number of processes)
+        from accelerate import Accelerator
+
+        cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
+        self.accelerator = Accelerator(cpu=cpu, step_scheduler_with_optimizer=False)
+        self.dist = Dist.from_accelerator(self.accelerator)
+        self.is_main = self.dist.is_main
         self._lock = None
         try:
-            check_writable(self.out_dir)
-            if self.is_main:
-                self._lock = RunLock(self.out_dir)
-        except RuntimeError as e:
-            raise TrainingError(str(e)) from None
-        try:
+            self._agree(self._claim, resume_dir)
             self._setup(cfg, resume_dir, examples)
         except BaseException:
             if self._lock is not None:
                 self._lock.release()  # a run that failed to start holds nothing
             raise
 
+    def _agree(self, fn, *args) -> None:
+        """Run `fn` (which may fail on one process only, e.g. the main one's folder checks) and fail on every
+        process if it failed on any, so that none is left waiting in a collective."""
+        error = None
+        try:
+            fn(*args)
+        except (RuntimeError, ValueError) as e:
+            error = str(e)
+        if int(self.dist.max(torch.tensor([float(error is not None)]))):
+            raise TrainingError(error or "the main process could not start the run (see its error)")
+
+    def _claim(self, resume_dir: Path | None) -> None:
+        """The output folder is writable, locked by this run, and (a new run) empty or overwritable."""
+        check_writable(self.out_dir)
+        if self.is_main:
+            self._lock = RunLock(self.out_dir)
+            if resume_dir is None:
+                claim_output_dir(self.out_dir, self.cfg.run.overwrite)
+
     def _setup(self, cfg: Config, resume_dir: Path | None, examples: list[Example] | None) -> None:
-        from accelerate import Accelerator
         from transformers import set_seed
 
-        if resume_dir is None and self.is_main:
-            try:
-                claim_output_dir(self.out_dir, cfg.run.overwrite)
-            except ValueError as e:
-                raise TrainingError(str(e)) from None
         if cfg.logging.wandb:
             try:
                 import wandb  # noqa: F401  (fail before loading anything)
@@ -110,11 +125,6 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         set_seed(cfg.run.seed)
-        # the schedule steps once per optimizer step, whatever the number of processes
-        # (cpu=True on a machine without a GPU: accelerate sets up multi-process CPU runs, on gloo, only then)
-        cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
-        self.accelerator = Accelerator(cpu=cpu, step_scheduler_with_optimizer=False)
-        self.dist = Dist.from_accelerator(self.accelerator)
         if cfg.rollout.prompts_per_step % self.dist.world:
             raise TrainingError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the "
                                 f"number of processes ({self.dist.world}): each process samples whole groups")
@@ -172,7 +182,10 @@ class Trainer:
 
                 from .errors import CheckpointWarning
 
-                warnings.warn(f"{resume_dir.name} was written by {state.get('world_size', 1)} processes and resumes "
+                def procs(n: int) -> str:
+                    return f"{n} process" + ("es" if n != 1 else "")
+
+                warnings.warn(f"{resume_dir.name} was written by {procs(state.get('world_size', 1))} and resumes "
                               f"on {self.dist.world}: the run goes on, but not bit-exactly (sums run in "
                               "another order)", CheckpointWarning, stacklevel=2)
         self.collector = Collector(cfg.rollout, self.tokenizer, self.examples, prompt_texts, self.reward, sampler,
