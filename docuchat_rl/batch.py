@@ -63,6 +63,19 @@ class Batch:
         sub["prompt_width"] = lp - start
         return Batch(**sub)
 
+    def placeholder(self, pad_id: int) -> Batch:
+        """One row that trains nothing (completion_mask all 0) with every field this batch has: what a
+        process short of micro-batches runs so that it joins each forward through sharded layers."""
+        if self.rows:
+            one = self.select(torch.tensor([0], device=self.input_ids.device))
+        else:
+            one = build_batch([[pad_id]], [[pad_id]], [0.0], [0], pad_id).to(self.input_ids.device)
+            for name in ("advantages", "old_logps", "ref_logps", "values", "returns"):
+                if getattr(self, name) is not None:
+                    setattr(one, name, torch.zeros_like(one.completion_mask))
+        return replace(one, completion_mask=torch.zeros_like(one.completion_mask),
+                       reward_valid=torch.zeros_like(one.reward_valid))
+
     def to(self, device) -> Batch:
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
                                 if isinstance(getattr(self, f.name), torch.Tensor)})

@@ -1,5 +1,6 @@
 """The few collectives data-parallel training needs, on torch.distributed (set up by accelerate under
-`accelerate launch` or `torchrun`), and the identity on one process.
+`accelerate launch` or `torchrun`), and the identity on one process; and FSDP2 sharding of the frozen
+base model when the launcher's accelerate config asks for FSDP.
 
 The trainer does not wrap the model in DistributedDataParallel: a step's ranks may hold different
 numbers of rows in a minibatch (a group never spans ranks), and the trainable parameters (LoRA adapters,
@@ -7,10 +8,28 @@ a value head, a critic adapter) are small, so after each minibatch's backward th
 across ranks in one flat all-reduce. The loss of each rank is already normalised by the minibatch's
 global row or token count, so the sum is exactly the one-process gradient (up to summation order).
 
-Deliberately left out: sharded parameters (FSDP/ZeRO); every rank holds the whole model.
+Sharding (`accelerate launch --config_file config/accelerate/fsdp2.yaml`): torch's FSDP2 `fully_shard`
+on each decoder layer, with that layer's trainable parameters left out (`ignored_params`). The frozen
+base weights of the decoder layers, most of a model's memory, are split across processes and gathered
+layer by layer in each forward and backward; the LoRA adapters, the embeddings, the output head and the
+critic stay whole on every process, so the optimizer, the gradient sum, the chunked output head and
+the checkpoints are those of the data-parallel path. accelerate's own FSDP2 preparation is not used for
+the wrapping: it shards every parameter (the adapters too) and wants to own the model's forward, while
+the trainer drives generation and its passes itself. What sharding demands of the trainer: every
+process runs the same number of forwards (and backwards) through the sharded layers, since each one is
+a collective (`Dist.steps` pads the short processes with placeholder micro-batches), and generation
+runs on gathered weights (`gathered`), as TRL does under ZeRO-3 by default.
+
+Deliberately left out: DeepSpeed ZeRO (refused with a pointer to FSDP2), FSDP1, CPU offload of
+parameters, sharded generation (decoding in lockstep on sharded weights), and sharding the embeddings
+and the output head.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
 
 import torch
 
@@ -67,6 +86,14 @@ class Dist:
         dist.all_gather_object(out, items)
         return [x for part in out for x in part]
 
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any process."""
+        return bool(self.max(torch.tensor([float(flag)])))
+
+    def steps(self, n: int) -> int:
+        """The largest of every process's `n` (the number of collective passes all of them must run)."""
+        return int(self.max(torch.tensor([float(n)])))
+
     def barrier(self) -> None:
         if self.active:
             import torch.distributed as dist
@@ -84,3 +111,107 @@ class Dist:
             n = g.numel()
             p.grad = flat[start:start + n].view_as(p).to(p.dtype)
             start += n
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """FSDP2 over the decoder layers, as the launcher's accelerate config asked."""
+
+    reshard_after_forward: bool  # free a layer's gathered weights after its forward (gather again in backward)
+    layer_classes: tuple[str, ...] | None  # the module classes to shard; None: the model's _no_split_modules
+
+
+class ShardingError(ValueError):
+    """The launcher's accelerate config asks for something this trainer does not do."""
+
+
+def sharding_from_launcher() -> Sharding | None:
+    """The sharding that `accelerate launch` asked for through its environment (None: plain data-parallel).
+    accelerate's FullyShardedDataParallelPlugin parses the FSDP_* variables; each setting the trainer
+    cannot honour is refused by name rather than ignored."""
+    env = os.environ
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        raise ShardingError("the accelerate config asks for DeepSpeed, which docuchat-rl does not run: its trainable "
+                            "state is a LoRA adapter, so ZeRO-1/2 have nothing to shard, and for ZeRO-3 use "
+                            "FSDP2 (config/accelerate/fsdp2.yaml)")
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    plugin = FullyShardedDataParallelPlugin()  # reads FSDP_VERSION, FSDP_RESHARD_AFTER_FORWARD, ...
+    refused = {
+        "fsdp_version": (plugin.fsdp_version != 2, "FSDP1 is not supported; set fsdp_version: 2"),
+        "fsdp_offload_params": (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy" or plugin.cpu_offload is True,
+                                "CPU offload is not supported"),
+        "fsdp_activation_checkpointing": (plugin.activation_checkpointing, "not supported here"),
+        "fsdp_auto_wrap_policy": (plugin.auto_wrap_policy not in (None, transformer_auto_wrap_policy),
+                                  "only TRANSFORMER_BASED_WRAP: the decoder layers are sharded"),
+    }
+    for key, (bad, why) in refused.items():
+        if bad:
+            raise ShardingError(f"accelerate config key {key}: {why}")
+    names = plugin.transformer_cls_names_to_wrap
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    return Sharding(reshard_after_forward=bool(plugin.reshard_after_forward),
+                    layer_classes=tuple(names) if names else None)
+
+
+@contextlib.contextmanager
+def without_fsdp_env():
+    """Hide the launcher's FSDP request from accelerate's Accelerator, which would otherwise take over the
+    model's preparation (see the module docstring); the trainer shards the model itself."""
+    saved = os.environ.pop("ACCELERATE_USE_FSDP", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_FSDP"] = saved
+
+
+def shard_layers(model: torch.nn.Module, sharding: Sharding) -> list[torch.nn.Module]:
+    """fully_shard each decoder layer of `model`, its trainable parameters left whole; -> the sharded layers."""
+    from torch.distributed.fsdp import fully_shard
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(sharding.layer_classes or getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ShardingError(f"no module of class {', '.join(sorted(names)) or '(none named)'} in "
+                            f"{type(base).__name__} to shard; set fsdp_transformer_layer_cls_to_wrap in the "
+                            "accelerate config")
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=sharding.reshard_after_forward,
+                    ignored_params={p for p in layer.parameters() if p.requires_grad})
+    return layers
+
+
+@contextlib.contextmanager
+def gathered(layers: list[torch.nn.Module], sharding: Sharding | None):
+    """The sharded layers' weights gathered whole for the block, and kept so through any number of
+    forwards (generation: otherwise each decoding step would gather every layer again, and every process
+    would have to decode in lockstep); sharded again afterwards."""
+    if not layers:
+        yield
+        return
+    for layer in layers:
+        layer.set_reshard_after_forward(False)
+        layer.unshard()
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.reshard()
+            layer.set_reshard_after_forward(sharding.reshard_after_forward)
+
+
+def held_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes of parameters this process holds, bytes of the whole model's parameters)."""
+    from torch.distributed.tensor import DTensor
+
+    mine = whole = 0
+    for p in model.parameters():
+        whole += p.numel() * p.element_size()
+        mine += (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+    return mine, whole

@@ -19,7 +19,10 @@ Several processes (`torchrun`, `accelerate launch`): every process draws the ste
 samples, scores and trains its share of the groups; gradients are summed across processes per minibatch
 (distributed.py); the main process writes the traces, metrics and checkpoint files.
 
-Deliberately left out: serving engines (vLLM, SGLang) for the rollout, sharded parameters (FSDP/ZeRO).
+With an FSDP accelerate config the decoder layers' frozen weights are sharded (distributed.py): rollout
+and evaluation run on gathered weights, and every process runs the same number of forwards.
+
+Deliberately left out: serving engines (vLLM, SGLang) for the rollout.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from .batch import Batch, policy_forward
 from .checkpoint import latest_step, load_training_state, resolve_resume, save_checkpoint, write_training_state
 from .config import Config
 from .data import DataError, Example, PromptSampler, load_examples, render_prompt
-from .distributed import Dist
+from .distributed import (Dist, ShardingError, gathered, held_bytes, shard_layers, sharding_from_launcher,
+                          without_fsdp_env)
 from .errors import Preempted, TrainingError
 from .losses import Normalisers
 from .modeling import (CRITIC_ADAPTER, active_adapter, add_critic_adapter, build_lora, disable_dropout,
@@ -81,8 +85,13 @@ class Trainer:
         # the schedule steps once per optimizer step, whatever the number of processes)
         from accelerate import Accelerator
 
+        try:  # FSDP2 when the launcher's accelerate config asks for it (the trainer shards; distributed.py)
+            self.sharding = sharding_from_launcher()
+        except ShardingError as e:
+            raise TrainingError(str(e)) from None
         cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
-        self.accelerator = Accelerator(cpu=cpu, step_scheduler_with_optimizer=False)
+        with without_fsdp_env():
+            self.accelerator = Accelerator(cpu=cpu, step_scheduler_with_optimizer=False)
         self.dist = Dist.from_accelerator(self.accelerator)
         self.is_main = self.dist.is_main
         self._lock = None
@@ -149,6 +158,13 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if critic is not None:
             self.params += list(critic.parameters())
+        # the decoder layers' frozen weights split across processes; every trainable parameter stays whole
+        self.sharded_layers = shard_layers(self.model, self.sharding) if self.sharding else []
+        if self.sharded_layers and self.is_main:
+            mine, whole = held_bytes(self.model)
+            print(f"docuchat-rl: FSDP2 over {len(self.sharded_layers)} {type(self.sharded_layers[0]).__name__} "
+                  f"modules on {self.dist.world} processes: each holds {mine / 2**20:.1f} MB of the model's "
+                  f"{whole / 2**20:.1f} MB of parameters", file=sys.stderr, flush=True)
         self.n_minibatches = cfg.rollout.batch_rows // cfg.minibatch_rows
         self.updates_per_step = cfg.algorithm.num_iterations * self.n_minibatches
         opt, sched = build_optimizer(self.params, cfg, cfg.run.steps * self.updates_per_step)
@@ -227,8 +243,17 @@ class Trainer:
 
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
-        """Rollout and score phases of the next step (see rollout.Collector)."""
-        return self.collector.collect(self.model, timer, self.step + 1)
+        """Rollout and score phases of the next step (see rollout.Collector), on gathered weights when sharded."""
+        with gathered(self.sharded_layers, self.sharding):
+            return self.collector.collect(self.model, timer, self.step + 1)
+
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
+        """`rows` split into micro-batches; when sharded, padded with None (a placeholder micro-batch) to the
+        count of the process with the most, since each forward through the sharded layers is a collective."""
+        chunks: list[torch.Tensor | None] = list(rows.split(self.cfg.optim.micro_batch_size)) if len(rows) else []
+        if self.sharded_layers:
+            chunks += [None] * (self.dist.steps(len(chunks)) - len(chunks))
+        return chunks
 
     def prepare(self, rollout: Rollout) -> Batch:
         """This process's used groups as a batch on the training device (it may have none of them)."""
@@ -242,8 +267,9 @@ class Trainer:
         hidden states the critic reads: the same forward's (shared backbone) or a second forward through
         the critic's own adapter (separate backbone)."""
         critic = with_critic and self.algo.critic is not None
-        kw.update(temperature=self.cfg.rollout.temperature, share_prompt=self.cfg.optim.share_prompt,
-                  logit_chunk=self.logit_chunk)
+        # (sharded: no shared-prompt forward, whose number of model calls depends on the rows)
+        kw.update(temperature=self.cfg.rollout.temperature, logit_chunk=self.logit_chunk,
+                  share_prompt=self.cfg.optim.share_prompt and not self.sharded_layers)
         out = policy_forward(self.model, mb, with_hidden=critic and not self.separate_critic, **kw)
         if critic and self.separate_critic:
             with active_adapter(self.model, CRITIC_ADAPTER, self.params):
@@ -258,7 +284,10 @@ class Trainer:
         vals = torch.zeros_like(batch.completion_mask)  # [R, T]
         ctx = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         with torch.no_grad(), ctx:
-            for rows in torch.arange(batch.rows).split(self.cfg.optim.micro_batch_size) if batch.rows else []:
+            for rows in self._micro_batches(torch.arange(batch.rows)):
+                if rows is None:  # sharded: join the other processes' forward
+                    self.forward(batch.placeholder(self.tokenizer.pad_token_id), with_critic=values)
+                    continue
                 out = self.forward(batch.select(rows), with_critic=values)
                 logps[rows, :out.logps.shape[1]] = out.logps
                 if values:
@@ -309,11 +338,14 @@ class Trainer:
                     norm = Normalisers(rows=max(int(n_rows), 1), tokens=tokens,
                                        max_new_tokens=cfg.rollout.max_new_tokens)
                     total = 0.0
-                    for rows in mb_rows.split(cfg.optim.micro_batch_size) if len(mb_rows) else []:
-                        mb = batch.select(rows)
+                    for rows in self._micro_batches(mb_rows):
+                        mb = batch.select(rows) if rows is not None else batch.placeholder(self.tokenizer.pad_token_id)
                         out = self.forward(mb, with_entropy=True,
                                            entropy_grad=self.algo.entropy_grad)
                         loss, m = self.algo.loss(out, mb, norm)
+                        if rows is None:  # sharded: join the other processes' forward and backward, add nothing
+                            self.accelerator.backward(loss * 0.0)
+                            continue
                         self.accelerator.backward(loss)
                         total += float(loss.detach())
                         w = float(mb.completion_mask.sum())  # every metric is token-weighted, maxima are maxima
@@ -419,7 +451,8 @@ class Trainer:
         process (greedy, and pass@k from its own streams: the run's random state is unchanged by it)."""
         from .evaluate import evaluate
 
-        return evaluate(self.model, self.tokenizer, self.cfg, self.held_out(), self.dist)
+        with gathered(self.sharded_layers, self.sharding):
+            return evaluate(self.model, self.tokenizer, self.cfg, self.held_out(), self.dist)
 
     # ---------------------------------------------------------------- preemption
     @contextlib.contextmanager
