@@ -162,7 +162,7 @@ class Trainer:
         self.sharded_layers = shard_layers(self.model, self.sharding) if self.sharding else []
         if self.sharded_layers and self.is_main:
             mine, whole = held_bytes(self.model)
-            print(f"docuchat-rl: FSDP2 over {len(self.sharded_layers)} {type(self.sharded_layers[0]).__name__} "
+            print(f"docuchat-rl: FSDP2 over {len(self.sharded_layers)} {type(self.sharded_layers[0]).__name__.removeprefix('FSDP')} "
                   f"modules on {self.dist.world} processes: each holds {mine / 2**20:.1f} MB of the model's "
                   f"{whole / 2**20:.1f} MB of parameters", file=sys.stderr, flush=True)
         self.n_minibatches = cfg.rollout.batch_rows // cfg.minibatch_rows
