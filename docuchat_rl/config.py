@@ -103,6 +103,8 @@ class RolloutConfig(Section):
     """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate."""
     merge_adapter: bool = True
     """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged."""
+    sharded_generation: bool = False
+    """Under FSDP2 only: decode on the sharded weights, every process in lockstep (each decoding step gathers every layer: slow, but the whole weights never sit on one device); false = gather them for generation."""
     correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     """Importance-weight the loss by pi_train/pi_sampler per token or per sequence, clamped (truncate) or zeroed (mask) outside [correction_min, correction_max]."""
     correction_min: float = Field(0.0, ge=0)
@@ -270,6 +272,9 @@ class Config(Section):
             raise ValueError(f"rollout.min_new_tokens: {self.rollout.min_new_tokens} is more than "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         r = self.rollout
+        if r.sharded_generation and r.merge_adapter:
+            raise ValueError("rollout.sharded_generation keeps the weights sharded, so the adapter cannot be folded "
+                             "into them: set rollout.merge_adapter=false with it")
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")

@@ -46,10 +46,12 @@ def _mean(values: list) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None, dist: Dist | None = None) -> dict:
+def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None, dist: Dist | None = None,
+             lockstep=None) -> dict:
     """The held-out numbers. On several processes (`dist`) each evaluates a contiguous share of the rows
     and every process returns the numbers over all of them; pass@k draws each sample from its own
-    stream (row_seed), so the numbers do not depend on how rows are split or batched."""
+    stream (row_seed), so the numbers do not depend on how rows are split or batched. `lockstep`: sharded
+    generation (see generation.generate)."""
     e, dist = cfg.eval, dist or Dist()
     if examples is None:
         if not cfg.data.test:
@@ -70,8 +72,8 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     model.eval()
     t0 = time.perf_counter()
     rows: list[EvalRow] = []
-    if mine:
-        rows = _evaluate_rows(model, tokenizer, cfg, reward, mine, max_new, k, first=lo)
+    if mine or lockstep:
+        rows = _evaluate_rows(model, tokenizer, cfg, reward, mine, max_new, k, first=lo, lockstep=lockstep)
     rows = dist.gather(rows)  # every row, in order, on every process
     model.train(was_training)
     out: dict = {"rows": len(examples), "max_new_tokens": max_new}
@@ -91,7 +93,7 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
 
 
 def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examples: list[Example], max_new: int,
-                   k: int, first: int) -> list[EvalRow]:
+                   k: int, first: int, lockstep=None) -> list[EvalRow]:
     """Greedy completions (and k samples each for pass@k) of `examples`, the rows `first`, first + 1, ...
     of the held-out set, scored."""
     e, r, acc_name = cfg.eval, cfg.rollout, cfg.rewards.accuracy_component
@@ -102,7 +104,12 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
 
     with merged():
         gen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False,
-                       batch_size=e.batch_size, engine=r.engine)
+                       batch_size=e.batch_size, engine=r.engine, lockstep=lockstep)
+    if k and not examples:  # (sharded generation, no rows here: join the others' sampling calls)
+        generate(model, tokenizer, [], max_new_tokens=max_new, do_sample=True, batch_size=e.batch_size,
+                 num_return_sequences=k, engine=r.engine, row_seeds=[], lockstep=lockstep)
+    if not examples:
+        return []
     texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
     res = score(reward, examples, texts, gen)
     hits: list[list[float]] = [[] for _ in examples]
@@ -111,7 +118,7 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
         with torch.random.fork_rng(), merged():  # eval must not shift the training run's random stream
             sgen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True,
                             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=e.batch_size,
-                            num_return_sequences=k, engine=r.engine, row_seeds=seeds)
+                            num_return_sequences=k, engine=r.engine, row_seeds=seeds, lockstep=lockstep)
         stexts = tokenizer.batch_decode(sgen.completion_ids, skip_special_tokens=True)
         sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
         flat = [rec.components[acc_name].raw or 0.0 for rec in sres.records]

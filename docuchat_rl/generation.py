@@ -154,9 +154,10 @@ def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):
 
 
 def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
-                processors, stop, pad, uniforms=None) -> tuple[torch.Tensor, torch.Tensor]:
+                processors, stop, pad, uniforms=None, lockstep=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
-    and the sampler's log-prob of each [same shape]."""
+    and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
+    while any process still has a row to finish."""
     from .batch import position_ids
 
     u, lp = input_ids.shape
@@ -179,7 +180,8 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
         tokens.append(nxt)
         logps.append(draw.logps)
         done |= torch.isin(nxt, stop_t)
-        if t == max_new_tokens - 1 or bool(done.all()):
+        going = not bool(done.all())
+        if t == max_new_tokens - 1 or not (lockstep(going) if lockstep else going):
             break
         out = model(input_ids=nxt[:, None], attention_mask=mask[:, :lp + t + 1], position_ids=next_pos + t,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -209,12 +211,17 @@ def _plain_generation_config(model):
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
-             row_seeds: list[int] | None = None) -> Generation:
+             row_seeds: list[int] | None = None, lockstep=None) -> Generation:
     """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
     `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only temperature, top-k and
     top-p shape the distribution, whatever the model's generation_config says. With `row_seeds` (one per
     output row) every row draws from its own random stream, so what a row samples does not depend on
-    batch_size or on which other rows share its batch (up to float rounding of the logits)."""
+    batch_size or on which other rows share its batch (up to float rounding of the logits).
+
+    `lockstep(flag) -> bool` (whether the flag holds on any process) makes every process run the same
+    number of model calls, as sharded weights demand: decoding continues while any process decodes, and
+    a process out of prompts runs a greedy one-token placeholder prompt (it draws no random numbers)
+    until the others are done."""
     if engine not in ("fast", "hf"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf")
     stop = eos_ids(model, tokenizer)
@@ -225,7 +232,23 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
     per_call = max(1, batch_size // num_return_sequences)
     if row_seeds is not None and len(row_seeds) != len(prompts) * num_return_sequences:
         raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts) * num_return_sequences} rows")
-    for start in range(0, len(prompts), per_call):
+    starts = list(range(0, len(prompts), per_call))
+    k = 0
+    while lockstep(k < len(starts)) if lockstep else k < len(starts):
+        if k >= len(starts):  # out of prompts: join the other processes' model calls
+            k += 1
+            placeholder = torch.tensor([[pad]], device=device)
+            if engine == "fast":
+                _fast_chunk(model, placeholder, torch.ones_like(placeholder), repeats=1,
+                            max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, processors=[],
+                            stop=stop, pad=pad, lockstep=lockstep)
+            else:
+                _hf_chunk(model, {"input_ids": placeholder, "attention_mask": torch.ones_like(placeholder)},
+                          do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, num_return_sequences=1,
+                          processors=[], stop=stop, pad=pad, synced=True)
+            continue
+        start = starts[k]
+        k += 1
         chunk = prompts[start:start + per_call]
         enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
                         add_special_tokens=False).to(device)
@@ -237,11 +260,12 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
             new, logps = _fast_chunk(model, enc["input_ids"], enc["attention_mask"], repeats=num_return_sequences,
                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                      do_sample=do_sample, processors=processors, stop=stop, pad=pad,
-                                     uniforms=uniforms)
+                                     uniforms=uniforms, lockstep=lockstep)
         else:
             new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
                                    min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,
-                                   processors=processors, stop=stop, pad=pad, uniforms=uniforms)
+                                   processors=processors, stop=stop, pad=pad, uniforms=uniforms,
+                                   synced=lockstep is not None)
         new, logps, mask = new.tolist(), logps.tolist(), enc["attention_mask"].tolist()
         for r, row in enumerate(new):
             src = r // num_return_sequences
@@ -285,7 +309,7 @@ class _LogpRecorder:
 
 
 def _hf_chunk(model, enc, *, do_sample, max_new_tokens, min_new_tokens, num_return_sequences, processors,
-              stop, pad, uniforms=None) -> tuple[torch.Tensor, torch.Tensor]:
+              stop, pad, uniforms=None, synced=False) -> tuple[torch.Tensor, torch.Tensor]:
     """`transformers.generate` with only our processors: new ids [rows, steps] and the sampler's log-probs
     (log-softmax of the processed scores at each drawn token) [rows, steps]. The warpers go in as custom
     processors (generate puts custom ones before its own, so the recorder could not follow its warpers)."""
@@ -297,6 +321,8 @@ def _hf_chunk(model, enc, *, do_sample, max_new_tokens, min_new_tokens, num_retu
                   logits_processor=LogitsProcessorList([*processors, recorder]))
     if min_new_tokens:
         kwargs.update(min_new_tokens=min_new_tokens)
+    if synced:  # sharded weights: generate's own lockstep (it decodes until every process is done)
+        kwargs.update(synced_gpus=True)
     with _plain_generation_config(model):
         out = model.generate(**enc, **kwargs)  # [rows, prompt_len + steps]
     new = out[:, enc["input_ids"].shape[1]:]  # [rows, steps]

@@ -133,10 +133,12 @@ class Collector:
     """
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
-                 reward: CompositeReward, sampler: PromptSampler, seed: int = 0, dist: Dist | None = None):
+                 reward: CompositeReward, sampler: PromptSampler, seed: int = 0, dist: Dist | None = None,
+                 lockstep=None):
         self.cfg, self.tokenizer, self.examples = cfg, tokenizer, examples
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
         self.dist = dist or Dist()
+        self.lockstep = lockstep  # sharded generation: every process makes the same model calls (generation.py)
 
     def sample(self, model, idx: list[int], seeds: list[int] | None = None) -> tuple[Generation, list[str]]:
         """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts;
@@ -148,7 +150,7 @@ class Collector:
                            max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,
                            top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
                            num_return_sequences=r.num_generations, engine=r.engine,
-                           min_new_tokens=r.min_new_tokens, row_seeds=seeds)
+                           min_new_tokens=r.min_new_tokens, row_seeds=seeds, lockstep=self.lockstep)
         return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
 
     def collect(self, model, timer: Timer, step: int) -> Rollout:
@@ -163,9 +165,10 @@ class Collector:
             examples = [self.examples[i] for i in idx for _ in range(g)]
             seeds = [row_seed(self.seed, step, sampled + lo + p, s) for p in range(len(idx)) for s in range(g)]
             varied, records = [], []
-            if idx:
+            if idx or self.lockstep:  # (sharded generation: a process without prompts joins the others' calls)
                 with timer("rollout"):
                     gen, texts = self.sample(model, idx, seeds)
+            if idx:
                 with timer("score"):
                     records = score(self.reward, examples, texts, gen).records
                 for p in range(len(idx)):

@@ -134,6 +134,9 @@ class Trainer:
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         set_seed(cfg.run.seed)
+        if cfg.rollout.sharded_generation and not self.sharding:
+            raise TrainingError("rollout.sharded_generation applies only to runs sharded by an FSDP accelerate "
+                                "config (accelerate launch --config_file config/accelerate/fsdp2.yaml)")
         if cfg.rollout.prompts_per_step % self.dist.world:
             raise TrainingError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the "
                                 f"number of processes ({self.dist.world}): each process samples whole groups")
@@ -160,6 +163,10 @@ class Trainer:
             self.params += list(critic.parameters())
         # the decoder layers' frozen weights split across processes; every trainable parameter stays whole
         self.sharded_layers = shard_layers(self.model, self.sharding) if self.sharding else []
+        # generation on gathered weights, or (rollout.sharded_generation) on the sharded ones in lockstep
+        sharded_generation = bool(self.sharded_layers) and cfg.rollout.sharded_generation
+        self.gather_for_generation = [] if sharded_generation else self.sharded_layers
+        self.lockstep = self.dist.any if sharded_generation else None
         if self.sharded_layers and self.is_main:
             mine, whole = held_bytes(self.model)
             print(f"docuchat-rl: FSDP2 over {len(self.sharded_layers)} {type(self.sharded_layers[0]).__name__.removeprefix('FSDP')} "
@@ -205,7 +212,7 @@ class Trainer:
                               f"on {self.dist.world}: the run goes on, but not bit-exactly (sums run in "
                               "another order)", CheckpointWarning, stacklevel=2)
         self.collector = Collector(cfg.rollout, self.tokenizer, self.examples, prompt_texts, self.reward, sampler,
-                                   cfg.run.seed, self.dist)
+                                   cfg.run.seed, self.dist, self.lockstep)
         self.traces = self.metrics = self.evals = None  # the main process writes every process's records
         if self.is_main:
             self.traces = JsonlWriter(self.out_dir / "traces.jsonl", offsets.get("traces"))
@@ -244,7 +251,7 @@ class Trainer:
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
         """Rollout and score phases of the next step (see rollout.Collector), on gathered weights when sharded."""
-        with gathered(self.sharded_layers, self.sharding):
+        with gathered(self.gather_for_generation, self.sharding):
             return self.collector.collect(self.model, timer, self.step + 1)
 
     def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
@@ -451,8 +458,8 @@ class Trainer:
         process (greedy, and pass@k from its own streams: the run's random state is unchanged by it)."""
         from .evaluate import evaluate
 
-        with gathered(self.sharded_layers, self.sharding):
-            return evaluate(self.model, self.tokenizer, self.cfg, self.held_out(), self.dist)
+        with gathered(self.gather_for_generation, self.sharding):
+            return evaluate(self.model, self.tokenizer, self.cfg, self.held_out(), self.dist, self.lockstep)
 
     # ---------------------------------------------------------------- preemption
     @contextlib.contextmanager

@@ -68,6 +68,8 @@ BAD = [
      "rollout.correction_min \\(3.0\\) must be below rollout.correction_max \\(2.0\\)", "correction bounds"),
     (["algorithm.name=ppo", "algorithm.critic_backbone=own"], "'algorithm.critic_backbone'.*'shared' or 'separate'",
      "unknown critic backbone"),
+    (["rollout.sharded_generation=true"], "rollout.sharded_generation keeps the weights sharded.*merge_adapter=false",
+     "sharded generation with a merged adapter"),
 ]
 
 

@@ -91,23 +91,29 @@ A2C = ["rollout.num_generations=1", "rollout.prompts_per_step=8", "optim.micro_b
        "algorithm.critic_backbone=separate", "algorithm.n_steps=8", "optim.warmup_steps=2", "optim.schedule=cosine"]
 
 
+SHARDED_GENERATION = ["rollout.sharded_generation=true"]  # (FSDP2 only) decoding in lockstep on sharded weights
+UNMERGED = ["rollout.merge_adapter=false"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,sets,fsdp", [
-    ("default", GRPO + EVAL, False),
-    ("ppo", PPO, False),
-    ("a2c", A2C, False),
-    ("default", DYNAMIC, False),
-    # FSDP2: uneven micro-batch counts padded with placeholders, generation and evaluation on gathered weights
-    ("default", DYNAMIC + EVAL, True),
-    ("ppo", PPO, True),
-    ("a2c", A2C, True),
+    ("default", GRPO + EVAL, None),
+    ("ppo", PPO, None),
+    ("a2c", A2C, None),
+    ("default", DYNAMIC, None),
+    # FSDP2 (fsdp: the FSDP run's own extra settings): micro-batch counts padded with placeholders; generation
+    # and evaluation on gathered weights (ppo) or in lockstep on sharded ones, a process with no prompt in a
+    # refill round or fewer held-out rows joining the others' model calls (grpo), through generate (a2c)
+    ("default", DYNAMIC + EVAL + UNMERGED, SHARDED_GENERATION),
+    ("ppo", PPO, []),
+    ("a2c", A2C + UNMERGED + ["rollout.engine=hf"], SHARDED_GENERATION),
 ], ids=["grpo", "ppo", "a2c-separate-critic", "grpo-dynamic-sampling", "fsdp2-grpo-dynamic-sampling", "fsdp2-ppo",
-        "fsdp2-a2c-separate-critic"])
+        "fsdp2-a2c-separate-critic-hf-engine"])
 def test_two_processes_equal_one(tmp_path, recipe, sets, fsdp):
     opts = ["run.steps=3", "checkpoint.every=3", *sets]
     _train(tmp_path / "one", 1, *opts, recipe=recipe)
-    proc = _train(tmp_path / "two", 2, *opts, recipe=recipe, fsdp=fsdp)
-    assert ("FSDP2 over 4 LlamaDecoderLayer modules on 2 processes" in proc.stderr) == fsdp
+    proc = _train(tmp_path / "two", 2, *opts, *(fsdp or []), recipe=recipe, fsdp=fsdp is not None)
+    assert ("FSDP2 over 4 LlamaDecoderLayer modules on 2 processes" in proc.stderr) == (fsdp is not None)
     one, two = _untimed(tmp_path / "one" / "traces.jsonl"), _untimed(tmp_path / "two" / "traces.jsonl")
     key = [(r["step"], r["prompt_id"], r["group"], r["sample"], r["completion"]) for r in one]
     assert key == [(r["step"], r["prompt_id"], r["group"], r["sample"], r["completion"]) for r in two]
@@ -196,3 +202,13 @@ def test_sharding_a_model_without_the_named_layer_class_names_it(tiny):
 
     with pytest.raises(ShardingError, match="no module of class NoSuchLayer in LlamaForCausalLM"):
         shard_layers(tiny[0], Sharding(reshard_after_forward=True, layer_classes=("NoSuchLayer",)))
+
+
+def test_sharded_generation_without_an_fsdp_launch_is_refused(tmp_path):
+    from docuchat_rl.config import load_config
+    from docuchat_rl.errors import TrainingError
+    from docuchat_rl.trainer import Trainer
+
+    cfg = load_config(ROOT / "config" / "default.yaml", [f"run.output_dir={tmp_path}", *SHARDED_GENERATION, *UNMERGED])
+    with pytest.raises(TrainingError, match="rollout.sharded_generation applies only to runs sharded by an FSDP"):
+        Trainer(cfg)
