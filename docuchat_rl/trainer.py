@@ -20,7 +20,8 @@ samples, scores and trains its share of the groups; gradients are summed across 
 (distributed.py); the main process writes the traces, metrics and checkpoint files.
 
 With an FSDP accelerate config the decoder layers' frozen weights are sharded (distributed.py): rollout
-and evaluation run on gathered weights, and every process runs the same number of forwards.
+and evaluation run on gathered weights (or, with `rollout.sharded_generation`, decode in lockstep on the
+sharded ones), and every process runs the same number of forwards through the sharded layers.
 
 Deliberately left out: serving engines (vLLM, SGLang) for the rollout.
 """
@@ -169,9 +170,10 @@ class Trainer:
         self.lockstep = self.dist.any if sharded_generation else None
         if self.sharded_layers and self.is_main:
             mine, whole = held_bytes(self.model)
-            print(f"docuchat-rl: FSDP2 over {len(self.sharded_layers)} {type(self.sharded_layers[0]).__name__.removeprefix('FSDP')} "
-                  f"modules on {self.dist.world} processes: each holds {mine / 2**20:.1f} MB of the model's "
-                  f"{whole / 2**20:.1f} MB of parameters", file=sys.stderr, flush=True)
+            layer = type(self.sharded_layers[0]).__name__.removeprefix("FSDP")  # (fully_shard renames the class)
+            print(f"docuchat-rl: FSDP2 over {len(self.sharded_layers)} {layer} modules on {self.dist.world} "
+                  f"processes: each holds {mine / 2**20:.1f} MB of the model's {whole / 2**20:.1f} MB of parameters",
+                  file=sys.stderr, flush=True)
         self.n_minibatches = cfg.rollout.batch_rows // cfg.minibatch_rows
         self.updates_per_step = cfg.algorithm.num_iterations * self.n_minibatches
         opt, sched = build_optimizer(self.params, cfg, cfg.run.steps * self.updates_per_step)
@@ -205,10 +207,8 @@ class Trainer:
 
                 from .errors import CheckpointWarning
 
-                def procs(n: int) -> str:
-                    return f"{n} process" + ("es" if n != 1 else "")
-
-                warnings.warn(f"{resume_dir.name} was written by {procs(state.get('world_size', 1))} and resumes "
+                wrote = state.get("world_size", 1)
+                warnings.warn(f"{resume_dir.name} was written by {wrote} process{'es' * (wrote != 1)} and resumes "
                               f"on {self.dist.world}: the run goes on, but not bit-exactly (sums run in "
                               "another order)", CheckpointWarning, stacklevel=2)
         self.collector = Collector(cfg.rollout, self.tokenizer, self.examples, prompt_texts, self.reward, sampler,
