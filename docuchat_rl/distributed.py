@@ -21,8 +21,8 @@ a collective (`Dist.steps` pads the short processes with placeholder micro-batch
 runs on gathered weights (`gathered`), as TRL does under ZeRO-3 by default.
 
 Deliberately left out: DeepSpeed ZeRO (refused with a pointer to FSDP2), FSDP1, CPU offload of
-parameters, sharded generation (decoding in lockstep on sharded weights), and sharding the embeddings
-and the output head.
+parameters, loading the model already sharded (each process loads it whole, then shards it), and
+sharding the embeddings and the output head.
 """
 
 from __future__ import annotations
@@ -145,6 +145,8 @@ def sharding_from_launcher() -> Sharding | None:
         "fsdp_offload_params": (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy" or plugin.cpu_offload is True,
                                 "CPU offload is not supported"),
         "fsdp_activation_checkpointing": (plugin.activation_checkpointing, "not supported here"),
+        "fsdp_cpu_ram_efficient_loading": (plugin.cpu_ram_efficient_loading,
+                                           "not supported: every process loads the whole model, then shards it"),
         "fsdp_auto_wrap_policy": (plugin.auto_wrap_policy not in (None, transformer_auto_wrap_policy),
                                   "only TRANSFORMER_BASED_WRAP: the decoder layers are sharded"),
     }

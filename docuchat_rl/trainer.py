@@ -93,6 +93,10 @@ class Trainer:
         cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
         with without_fsdp_env():
             self.accelerator = Accelerator(cpu=cpu, step_scheduler_with_optimizer=False)
+        if self.accelerator.mixed_precision != "no":  # (it would be ignored: the model is not prepared)
+            raise TrainingError(f"the accelerate config's mixed_precision ({self.accelerator.mixed_precision}) is not "
+                                "used by docuchat-rl, whose model runs in model.dtype: set model.dtype (bfloat16) "
+                                "instead and mixed_precision: 'no'")
         self.dist = Dist.from_accelerator(self.accelerator)
         self.is_main = self.dist.is_main
         self._lock = None

@@ -174,7 +174,8 @@ FSDP_ENV = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_
     ({"FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params"),
     ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, "fsdp_activation_checkpointing"),
     ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP", "FSDP_MIN_NUM_PARAMS": "1000"}, "fsdp_auto_wrap_policy"),
-], ids=["fsdp1", "offload", "activation-checkpointing", "size-based-wrap"])
+    ({"FSDP_CPU_RAM_EFFICIENT_LOADING": "true"}, "fsdp_cpu_ram_efficient_loading"),
+], ids=["fsdp1", "offload", "activation-checkpointing", "size-based-wrap", "ram-efficient-loading"])
 def test_an_fsdp_setting_the_trainer_cannot_honour_is_refused_by_name(monkeypatch, extra, key):
     from docuchat_rl.distributed import ShardingError, sharding_from_launcher
 
@@ -212,3 +213,16 @@ def test_sharded_generation_without_an_fsdp_launch_is_refused(tmp_path):
     cfg = load_config(ROOT / "config" / "default.yaml", [f"run.output_dir={tmp_path}", *SHARDED_GENERATION, *UNMERGED])
     with pytest.raises(TrainingError, match="rollout.sharded_generation applies only to runs sharded by an FSDP"):
         Trainer(cfg)
+
+
+def test_an_accelerate_mixed_precision_setting_is_refused_not_ignored(tmp_path):
+    """accelerate's mixed_precision only acts on a model it prepares; the trainer's model runs in model.dtype.
+    (A fresh process: accelerate keeps its state for the life of one.)"""
+    import os
+
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "bf16"}  # what accelerate launch sets from its config file
+    proc = subprocess.run([sys.executable, "-m", "docuchat_rl", "train", "--config", str(ROOT / "config" / "default.yaml"),
+                           "--set", f"run.output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "mixed_precision (bf16) is not used by docuchat-rl" in proc.stderr and "set model.dtype" in proc.stderr
