@@ -130,17 +130,23 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from accelerate import PartialState
+
     from .config import load_config
+    from .distributed import Dist, on_cpu
     from .evaluate import evaluate
     from .inference import load_policy
 
     cfg = load_config(args.config, args.overrides)
-    model, tok = load_policy(cfg, args.adapter)
-    result = {"model": cfg.model.name_or_path, "adapter": args.adapter, **evaluate(model, tok, cfg)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    # under torchrun / accelerate launch each process evaluates a share of the rows; the main one reports
+    dist = Dist.from_accelerator(PartialState(cpu=on_cpu(cfg.model.device)))
+    model, tok = load_policy(cfg, args.adapter, device=str(dist.device) if dist.active else None)
+    result = {"model": cfg.model.name_or_path, "adapter": args.adapter, **evaluate(model, tok, cfg, dist=dist)}
+    if dist.is_main:
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
     return 0
 
 

@@ -40,12 +40,19 @@ def no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def on_cpu(device_setting: str) -> bool:
+    """Whether `model.device` means the CPU (accelerate sets up multi-process CPU runs, on gloo, only when
+    told `cpu=True`; without it, torchrun on a machine without GPUs runs N independent copies)."""
+    return device_setting == "cpu" or (device_setting == "auto" and not torch.cuda.is_available())
+
+
 class Dist:
     def __init__(self, world: int = 1, rank: int = 0, device: torch.device | None = None):
         self.world, self.rank, self.device = world, rank, device or torch.device("cpu")
 
     @classmethod
     def from_accelerator(cls, accelerator) -> Dist:
+        """From an Accelerator or a PartialState (the processes a launcher started, or this one alone)."""
         return cls(accelerator.num_processes, accelerator.process_index, accelerator.device)
 
     @property

@@ -32,10 +32,12 @@ def config_of_checkpoint(adapter: str | Path) -> dict | None:
     return json.loads(path.read_text())["config"] if path.exists() else None
 
 
-def load_policy(cfg: Config, adapter: str | Path | None):
-    """(model, tokenizer): the configured base model, with the checkpoint's adapter when given."""
+def load_policy(cfg: Config, adapter: str | Path | None, device: str | None = None):
+    """(model, tokenizer): the configured base model (on `device`, else model.device), with the
+    checkpoint's adapter when given."""
     m = cfg.model
-    model, tok = load_model_and_tokenizer(m.name_or_path, m.dtype, m.device, m.trust_remote_code, m.revision)
+    model, tok = load_model_and_tokenizer(m.name_or_path, m.dtype, device or m.device, m.trust_remote_code,
+                                          m.revision)
     if adapter is not None:
         from peft import PeftModel
 

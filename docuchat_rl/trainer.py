@@ -50,8 +50,8 @@ from .batch import Batch, policy_forward
 from .checkpoint import latest_step, load_training_state, resolve_resume, save_checkpoint, write_training_state
 from .config import Config
 from .data import DataError, Example, PromptSampler, load_examples, render_prompt
-from .distributed import (Dist, ShardingError, gathered, held_bytes, shard_layers, sharding_from_launcher,
-                          without_fsdp_env)
+from .distributed import (Dist, ShardingError, gathered, held_bytes, on_cpu, shard_layers,
+                          sharding_from_launcher, without_fsdp_env)
 from .errors import Preempted, TrainingError
 from .losses import Normalisers
 from .modeling import (CRITIC_ADAPTER, active_adapter, add_critic_adapter, build_lora, disable_dropout,
@@ -81,18 +81,16 @@ class Trainer:
         self.out_dir = Path(cfg.run.output_dir)
         # every check of the output folder and the checkpoint comes before anything is loaded
         resume_dir = resolve_resume(resume, self.out_dir) if resume else None
-        # several processes (accelerate launch / torchrun): the main one holds the folder and writes the files.
-        # (cpu=True on a machine without a GPU: accelerate sets up multi-process CPU runs, on gloo, only then;
-        # the schedule steps once per optimizer step, whatever the number of processes)
+        # several processes (accelerate launch / torchrun): the main one holds the folder and writes the files
+        # (the schedule steps once per optimizer step, whatever the number of processes)
         from accelerate import Accelerator
 
         try:  # FSDP2 when the launcher's accelerate config asks for it (the trainer shards; distributed.py)
             self.sharding = sharding_from_launcher()
         except ShardingError as e:
             raise TrainingError(str(e)) from None
-        cpu = cfg.model.device == "cpu" or (cfg.model.device == "auto" and not torch.cuda.is_available())
         with without_fsdp_env():
-            self.accelerator = Accelerator(cpu=cpu, step_scheduler_with_optimizer=False)
+            self.accelerator = Accelerator(cpu=on_cpu(cfg.model.device), step_scheduler_with_optimizer=False)
         if self.accelerator.mixed_precision != "no":  # (it would be ignored: the model is not prepared)
             raise TrainingError(f"the accelerate config's mixed_precision ({self.accelerator.mixed_precision}) is not "
                                 "used by docuchat-rl, whose model runs in model.dtype: set model.dtype (bfloat16) "

@@ -226,3 +226,22 @@ def test_an_accelerate_mixed_precision_setting_is_refused_not_ignored(tmp_path):
                           timeout=300)
     assert proc.returncode != 0
     assert "mixed_precision (bf16) is not used by docuchat-rl" in proc.stderr and "set model.dtype" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_eval_command_on_two_processes_reports_once_the_numbers_of_one(tmp_path):
+    import json
+
+    def run(procs):
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] if procs > 1 \
+            else [sys.executable]
+        sets = ["eval.limit=9", "eval.max_new_tokens=24", "eval.pass_k=2"]
+        proc = subprocess.run([*launcher, "-m", "docuchat_rl", "eval", "--config", str(ROOT / "config" / "default.yaml"),
+                               *[x for s in sets for x in ("--set", s)]], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.count('"rows": 9') == 1  # printed by the main process only
+        return {k: v for k, v in json.loads(proc.stdout).items() if k != "seconds"}
+
+    one, two = run(1), run(2)
+    assert one == two and "pass@2" in one
