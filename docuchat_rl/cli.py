@@ -132,12 +132,11 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from accelerate import PartialState
 
-    from .config import load_config
     from .distributed import Dist, on_cpu
     from .evaluate import evaluate
     from .inference import load_policy
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _config_for(args)  # (with --adapter and no --config: the checkpoint's own recipe, as generate)
     # under torchrun / accelerate launch each process evaluates a share of the rows; the main one reports
     dist = Dist.from_accelerator(PartialState(cpu=on_cpu(cfg.model.device)))
     model, tok = load_policy(cfg, args.adapter, device=str(dist.device) if dist.active else None)

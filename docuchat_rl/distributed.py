@@ -63,25 +63,21 @@ class Dist:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def _reduce(self, x: torch.Tensor, op) -> torch.Tensor:
+    def _reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
         if not self.active:
             return x
         import torch.distributed as dist
 
         out = x.detach().to(self.device, copy=True)
-        dist.all_reduce(out, op=op)
+        dist.all_reduce(out, op=getattr(dist.ReduceOp, op))
         return out.to(x.device)
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over ranks (a new tensor; x itself unchanged)."""
-        import torch.distributed as dist
-
-        return self._reduce(x, dist.ReduceOp.SUM) if self.active else x
+        return self._reduce(x, "SUM")
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
-        return self._reduce(x, dist.ReduceOp.MAX) if self.active else x
+        return self._reduce(x, "MAX")
 
     def gather(self, items: list) -> list:
         """Every rank's list, concatenated in rank order (on every rank)."""

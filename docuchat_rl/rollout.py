@@ -65,12 +65,11 @@ class Completion:
 @dataclass
 class Rollout:
     """This process's share of a step's completions, in sampling order, and the step's totals over all
-    processes: prompts sampled, groups used and sampling rounds."""
+    processes: prompts sampled and groups used."""
 
     completions: list[Completion]
     prompts_sampled: int
     groups_used: int
-    rounds: int
 
     @property
     def used(self) -> list[Completion]:
@@ -194,4 +193,4 @@ class Collector:
             sampled += n
             rounds += 1
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
-                return Rollout(completions, sampled, kept, rounds)
+                return Rollout(completions, sampled, kept)

@@ -256,13 +256,16 @@ class Trainer:
         with gathered(self.gather_for_generation, self.sharding):
             return self.collector.collect(self.model, timer, self.step + 1)
 
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor | None]:
-        """`rows` split into micro-batches; when sharded, padded with None (a placeholder micro-batch) to the
-        count of the process with the most, since each forward through the sharded layers is a collective."""
-        chunks: list[torch.Tensor | None] = list(rows.split(self.cfg.optim.micro_batch_size)) if len(rows) else []
-        if self.sharded_layers:
-            chunks += [None] * (self.dist.steps(len(chunks)) - len(chunks))
-        return chunks
+    def _micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[tuple[torch.Tensor | None, Batch]]:
+        """(row indices, micro-batch) for `rows` of `batch`; when sharded, padded with (None, a placeholder
+        row that trains nothing) to the count of the process with the most, since each forward through the
+        sharded layers is a collective."""
+        chunks = list(rows.split(self.cfg.optim.micro_batch_size)) if len(rows) else []
+        out: list[tuple[torch.Tensor | None, Batch]] = [(r, batch.select(r)) for r in chunks]
+        missing = self.dist.steps(len(chunks)) - len(chunks) if self.sharded_layers else 0
+        if missing:
+            out += [(None, batch.placeholder(self.tokenizer.pad_token_id))] * missing
+        return out
 
     def prepare(self, rollout: Rollout) -> Batch:
         """This process's used groups as a batch on the training device (it may have none of them)."""
@@ -293,11 +296,10 @@ class Trainer:
         vals = torch.zeros_like(batch.completion_mask)  # [R, T]
         ctx = self.model.disable_adapter() if disable_adapter else contextlib.nullcontext()
         with torch.no_grad(), ctx:
-            for rows in self._micro_batches(torch.arange(batch.rows)):
-                if rows is None:  # sharded: join the other processes' forward
-                    self.forward(batch.placeholder(self.tokenizer.pad_token_id), with_critic=values)
+            for rows, mb in self._micro_batches(batch, torch.arange(batch.rows)):
+                out = self.forward(mb, with_critic=values)
+                if rows is None:  # (sharded: a placeholder, run to join the other processes' forward)
                     continue
-                out = self.forward(batch.select(rows), with_critic=values)
                 logps[rows, :out.logps.shape[1]] = out.logps
                 if values:
                     vals[rows, :out.logps.shape[1]] = self.algo.critic(out.hidden)
@@ -347,8 +349,7 @@ class Trainer:
                     norm = Normalisers(rows=max(int(n_rows), 1), tokens=tokens,
                                        max_new_tokens=cfg.rollout.max_new_tokens)
                     total = 0.0
-                    for rows in self._micro_batches(mb_rows):
-                        mb = batch.select(rows) if rows is not None else batch.placeholder(self.tokenizer.pad_token_id)
+                    for rows, mb in self._micro_batches(batch, mb_rows):
                         out = self.forward(mb, with_entropy=True,
                                            entropy_grad=self.algo.entropy_grad)
                         loss, m = self.algo.loss(out, mb, norm)
@@ -420,7 +421,7 @@ class Trainer:
                   "truncated_frac": float(np.mean([r["truncated"] for r in records])),
                   "reward_missing": sum(r["total_missing"] for r in records),
                   "prompts_sampled": rollout.prompts_sampled,
-                  "groups_used": len({r["group"] for r in records if r["group"] is not None}), "kl": None})
+                  "groups_used": rollout.groups_used, "kl": None})
         m.update(metrics)
         rollout_s = float(self.dist.max(torch.tensor([timer.seconds.get("rollout", 0.0)])))
         m["rollout_tokens_per_s"] = float(lengths.sum() / rollout_s) if rollout_s else None
