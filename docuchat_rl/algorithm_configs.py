@@ -5,25 +5,37 @@ Each model holds only the keys its algorithm reads, so a key of another algorith
 algorithm. The algorithm classes in `algorithms.py` name their config type when they register; this
 module stays free of torch so that `docuchat-rl config` loads without it.
 
-`check(cfg)` holds an algorithm's cross-section demands (GRPO needs groups of 2 or more; A2C makes one
-update per rollout) and returns one line naming the key at fault, or None.
+`check(shape)` holds an algorithm's demands on the batch's shape (GRPO needs groups of 2 or more; A2C
+makes one update per rollout) and returns one line naming the key at fault, or None.
+
+`ALGORITHMS` is the one registry of algorithms: `@register_config` puts a config model under its
+`name`, and `algorithms.register_algorithm` attaches the class that runs it (`implementation`), so a
+name, its keys and its code are found in one place; the config's discriminated union is built from it.
 
 Deliberately left out: user-defined algorithm configs through entry points; a new algorithm adds its
-model here and to `AlgorithmConfig`.
+decorated model here and its decorated class in `algorithms.py`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-if TYPE_CHECKING:
-    from .config import Config
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The rollout batch's shape as an algorithm's checks see it (built by `Config` from its sections)."""
+
+    num_generations: int  # rollout.num_generations: the group size
+    batch_rows: int  # completions per step (prompts_per_step * num_generations)
+    minibatch_rows: int  # completions per optimizer step
 
 
 class _Algo(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    implementation: ClassVar[Any] = None  # the algorithms.Algorithm subclass that runs it (set on registration)
 
     name: str
     loss_aggregation: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
@@ -31,8 +43,8 @@ class _Algo(BaseModel):
     beta: float = Field(0.0, ge=0)
     """KL penalty weight against the reference (adapter-disabled) model, k3 estimator; 0 skips it."""
 
-    def check(self, cfg: Config) -> str | None:
-        """One line naming the key at fault when this algorithm cannot run with `cfg`, else None."""
+    def check(self, shape: BatchShape) -> str | None:
+        """One line naming the key at fault when this algorithm cannot run on batches of `shape`, else None."""
         return None
 
 
@@ -68,7 +80,22 @@ class _ActorCritic(_Algo):
     """The value head reads the policy adapter's hidden states (shared) or its own LoRA adapter's (separate)."""
 
 
+ALGORITHMS: dict[str, type[_Algo]] = {}
+
+
+def register_config(cls: type[_Algo]) -> type[_Algo]:
+    """Class decorator: the algorithm config model under its `name` default (the YAML/log name)."""
+    name = cls.model_fields["name"].default
+    if name in ALGORITHMS:
+        raise ValueError(f"algorithm {name!r} is already registered")
+    ALGORITHMS[name] = cls
+    return cls
+
+
+@register_config
 class GRPOConfig(_Clipped):
+    """GRPO's keys: group-relative advantages, the clipped surrogate, no critic."""
+
     name: Literal["grpo"] = "grpo"
     """Registered algorithm (grpo, ppo, a2c); it selects which of the keys below apply."""
     scale: Literal["group", "batch", "none"] = "group"
@@ -76,14 +103,17 @@ class GRPOConfig(_Clipped):
     std_epsilon: float = Field(1e-4, gt=0)
     """Added to the std before dividing the advantages."""
 
-    def check(self, cfg: Config) -> str | None:
-        if cfg.rollout.num_generations < 2:
+    def check(self, shape: BatchShape) -> str | None:
+        if shape.num_generations < 2:
             return ("config key 'rollout.num_generations': grpo compares completions within a group, "
-                    f"so it needs at least 2 (got {cfg.rollout.num_generations})")
+                    f"so it needs at least 2 (got {shape.num_generations})")
         return None
 
 
+@register_config
 class PPOConfig(_Clipped, _ActorCritic):
+    """PPO's keys: the clipped surrogate and GAE over a value head, clipped value loss."""
+
     name: Literal["ppo"] = "ppo"
     """Registered algorithm (grpo, ppo, a2c); it selects which of the keys below apply."""
     lam: float = Field(0.95, ge=0, le=1)
@@ -92,7 +122,10 @@ class PPOConfig(_Clipped, _ActorCritic):
     """Clip range of the value update around the rollout-time value (null: unclipped)."""
 
 
+@register_config
 class A2CConfig(_ActorCritic):
+    """A2C's keys: n-step returns from the critic, one plain policy-gradient update per rollout."""
+
     name: Literal["a2c"] = "a2c"
     """Registered algorithm (grpo, ppo, a2c); it selects which of the keys below apply."""
     n_steps: int | None = Field(None, ge=1)
@@ -100,17 +133,15 @@ class A2CConfig(_ActorCritic):
     num_iterations: int = Field(1, ge=1)
     """Updates per rollout: always 1 for a2c (a single on-policy update; use ppo for several epochs)."""
 
-    def check(self, cfg: Config) -> str | None:
+    def check(self, shape: BatchShape) -> str | None:
         if self.num_iterations != 1:
             return ("config key 'algorithm.num_iterations': a2c makes a single on-policy update per rollout "
                     f"(got {self.num_iterations}); use ppo for several epochs")
-        if cfg.minibatch_rows != cfg.rollout.batch_rows:
+        if shape.minibatch_rows != shape.batch_rows:
             return (f"config key 'optim.minibatch_size': a2c makes a single update per rollout, so the "
-                    f"minibatch is the whole batch ({cfg.rollout.batch_rows}), got {cfg.minibatch_rows}; "
+                    f"minibatch is the whole batch ({shape.batch_rows}), got {shape.minibatch_rows}; "
                     "use optim.micro_batch_size to bound memory")
         return None
 
 
-AlgorithmConfig = Annotated[Union[GRPOConfig, PPOConfig, A2CConfig], Field(discriminator="name")]
-ALGORITHM_CONFIGS: dict[str, type[_Algo]] = {c.model_fields["name"].default: c
-                                             for c in (GRPOConfig, PPOConfig, A2CConfig)}
+AlgorithmConfig = Annotated[Union[tuple(ALGORITHMS.values())], Field(discriminator="name")]

@@ -2,12 +2,17 @@
 
 The trainer calls every algorithm the same way and never looks at its name:
 
-    algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden_size)   # cfg.algorithm: its config_type
+    algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden_size, reduce)   # cfg.algorithm: its config_type
+    algo.needs()                                -> RolloutNeeds: which no-grad passes the learner runs
+                                                   before the update (old / reference log-probs, values)
+    algo.values(hidden)                         -> the critic's values [R, T] from hidden states [R, T, H]
     algo.advantages(batch)                      -> metrics; fills batch.advantages [R, T]
-    algo.loss(policy_output, micro_batch, norm) -> (loss, metrics)
-    algo.critic                                 -> None, or a module: hidden states [R, T, H] -> values [R, T],
-                                                   trained and saved with the adapter
+    algo.loss(policy_output, micro_batch, norm) -> (loss, metrics); `metric_reductions` says how each
+                                                   metric combines over micro-batches (default: token mean)
+    algo.critic                                 -> None, or a module trained and saved with the adapter
     algo.trace_fields(batch)                    -> per-row values for the traces
+
+`reduce` sums a tensor over the processes of a data-parallel run (the identity on one process).
 
 Every policy loss also compares the trainer's log-probs of the sampled tokens with the sampler's own
 (`sampler/*` metrics) and, with `rollout.correction`, weights each token by the truncated or masked
@@ -18,68 +23,104 @@ Deliberately left out: algorithms that need a separate reward model or a second 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
 from .advantages import gae, group_advantages, nstep_returns, whiten
-from .algorithm_configs import A2CConfig, GRPOConfig, PPOConfig
-from .batch import Batch, PolicyOutput
+from .algorithm_configs import ALGORITHMS, A2CConfig, GRPOConfig, PPOConfig
+from .batch import Batch
 from .distributed import no_reduce
+from .forward import PolicyOutput
 from .losses import (Normalisers, aggregate, clipped_surrogate, explained_variance, k3_kl, log_ratio, masked_mean,
                      sampler_weights, value_loss)
 
 if TYPE_CHECKING:
     from .config import Config
 
-_ALGORITHMS: dict[str, type[Algorithm]] = {}
 MISMATCH_THRESHOLD = 0.01  # nats: `sampler/mismatch_share` counts tokens whose |log pi_train - log pi_sampler| exceeds it
 
 
-def register_algorithm(name: str, config_type: type):
-    """Class decorator: the algorithm under `name` (the YAML/log name), configured by `config_type`."""
+def register_algorithm(config_type: type):
+    """Class decorator: the class that runs the algorithm `config_type` was registered under (its name
+    in YAML and logs), attached to that one registry entry (`algorithm_configs.ALGORITHMS`)."""
 
     def deco(cls: type[Algorithm]) -> type[Algorithm]:
-        if name in _ALGORITHMS:
-            raise ValueError(f"algorithm {name!r} is already registered")
-        if config_type.model_fields["name"].default != name:
-            raise ValueError(f"algorithm {name!r}: its config type {config_type.__name__} is for another name")
+        name = config_type.model_fields["name"].default
+        if ALGORITHMS.get(name) is not config_type:
+            raise ValueError(f"{config_type.__name__} is not the registered config of algorithm {name!r}")
+        if config_type.implementation is not None:
+            raise ValueError(f"algorithm {name!r} already has a class ({config_type.implementation.__name__})")
         cls.name, cls.config_type = name, config_type
-        _ALGORITHMS[name] = cls
+        config_type.implementation = cls
         return cls
 
     return deco
 
 
 def get_algorithm_class(name: str) -> type[Algorithm]:
-    if name not in _ALGORITHMS:
-        raise KeyError(f"unknown algorithm {name!r}; valid: {', '.join(sorted(_ALGORITHMS))}")
-    return _ALGORITHMS[name]
+    """The class registered under `name`; an unknown name fails listing the valid ones."""
+    if name not in ALGORITHMS or ALGORITHMS[name].implementation is None:
+        raise KeyError(f"unknown algorithm {name!r}; valid: {', '.join(algorithm_names())}")
+    return ALGORITHMS[name].implementation
 
 
 def algorithm_names() -> list[str]:
-    return sorted(_ALGORITHMS)
+    """Every algorithm with a class that runs it, sorted."""
+    return sorted(n for n, c in ALGORITHMS.items() if c.implementation is not None)
+
+
+@dataclass(frozen=True)
+class RolloutNeeds:
+    """What an algorithm needs computed over the rollout batch before its update (no-grad passes)."""
+
+    old_logps: bool  # the policy's log-probs at rollout time (ratios over several updates, KL in the reward)
+    ref_logps: bool  # the reference (adapter-disabled) model's log-probs, for a KL term
+    values: bool  # the critic's values at rollout time
 
 
 class Algorithm:
+    """An advantage estimator + a loss (+ a critic); subclasses register with `@register_algorithm`."""
+
     name: ClassVar[str] = "algorithm"
     config_type: ClassVar[type]
+    #: how a loss metric combines over a step's micro-batches: "max", else a token-weighted mean
+    metric_reductions: ClassVar[dict[str, str]] = {"sampler/mismatch_max": "max"}
     critic: torch.nn.Module | None = None
     #: the rollout-time log-probs are needed even for a single on-policy update (e.g. KL in the reward)
     needs_rollout_logps: bool = False
     #: the loss differentiates through the entropy (an entropy bonus)
     entropy_grad: bool = False
 
-    def __init__(self, cfg: Config, hidden_size: int | None = None):
+    def __init__(self, cfg: Config, hidden_size: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce):
         if not isinstance(cfg.algorithm, self.config_type):
             raise TypeError(f"{self.name} needs a {self.config_type.__name__}, got {type(cfg.algorithm).__name__}")
         self.cfg = cfg
-        self.reduce = no_reduce  # sums over the processes of a data-parallel run (set by the trainer)
+        self.reduce = reduce  # sums over the processes of a data-parallel run
+
+    def needs(self) -> RolloutNeeds:
+        """The no-grad passes before the update: old log-probs when the policy moves before the last
+        minibatch is scored (several updates per rollout) or the reward reads them, reference log-probs
+        when beta > 0, values when there is a critic."""
+        a = self.cfg.algorithm
+        several = a.num_iterations > 1 or self.cfg.minibatch_rows < self.cfg.rollout.batch_rows
+        return RolloutNeeds(old_logps=several or self.needs_rollout_logps, ref_logps=a.beta > 0,
+                            values=self.critic is not None)
+
+    def values(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The critic's value of each position: hidden states [R, T, H] -> [R, T]."""
+        if self.critic is None:
+            raise TypeError(f"{self.name} has no critic")
+        return self.critic(hidden)
 
     def advantages(self, batch: Batch) -> dict[str, float]:
+        """Fill batch.advantages [R, T] (and returns, for a critic) from the rewards; -> metrics."""
         raise NotImplementedError
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's loss (normalised by the minibatch's `norm`) and its metrics."""
         raise NotImplementedError
 
     def sampler_correction(self, trainer_logps: torch.Tensor, mb: Batch) -> tuple[torch.Tensor | None, dict]:
@@ -138,7 +179,7 @@ class Algorithm:
         return loss, metrics
 
 
-@register_algorithm("grpo", GRPOConfig)
+@register_algorithm(GRPOConfig)
 class GRPO(Algorithm):
     """Group-relative advantages, the same for every token of a completion; no critic. Rows without a
     reward value are left out of their group's baseline and get advantage 0."""
@@ -190,8 +231,9 @@ class ActorCritic(Algorithm):
     """Shared parts of PPO and A2C: the value head (the trainer fills batch.values from it at rollout
     time), token rewards, returns and whitened advantages, and the critic's loss terms."""
 
-    def __init__(self, cfg: Config, hidden_size: int | None = None):
-        super().__init__(cfg, hidden_size)
+    def __init__(self, cfg: Config, hidden_size: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce):
+        super().__init__(cfg, hidden_size, reduce)
         self.critic = ValueHead(hidden_size, cfg.algorithm.critic_gain)
 
     @property
@@ -203,6 +245,7 @@ class ActorCritic(Algorithm):
         return self.cfg.algorithm.ent_coef > 0
 
     def returns_and_advantages(self, batch: Batch, rewards, dones) -> tuple[torch.Tensor, torch.Tensor]:
+        """(advantages [R, T], returns [R, T]) from token rewards and dones and batch.values."""
         raise NotImplementedError
 
     def advantages(self, batch: Batch) -> dict[str, float]:
@@ -223,7 +266,7 @@ class ActorCritic(Algorithm):
     def critic_terms(self, out: PolicyOutput, mb: Batch, norm: Normalisers, clip: float | None):
         """vf_coef * value loss - ent_coef * entropy, aggregated like the policy loss, and metrics."""
         a, mask = self.cfg.algorithm, mb.completion_mask
-        values = self.critic(out.hidden)  # [r, T]
+        values = self.values(out.hidden)  # [r, T]
         per_token = value_loss(values, mb.values, mb.returns, clip)  # [r, T]
         total = a.vf_coef * aggregate(per_token, mask, a.loss_aggregation, norm)
         if a.ent_coef > 0:
@@ -236,7 +279,7 @@ class ActorCritic(Algorithm):
         return fields
 
 
-@register_algorithm("ppo", PPOConfig)
+@register_algorithm(PPOConfig)
 class PPO(ActorCritic):
     """PPO on the token MDP: GAE(gamma, lambda), clipped surrogate, clipped value loss, entropy bonus.
 
@@ -253,7 +296,7 @@ class PPO(ActorCritic):
         return policy + critic, {**metrics, **cm}
 
 
-@register_algorithm("a2c", A2CConfig)
+@register_algorithm(A2CConfig)
 class A2C(ActorCritic):
     """Synchronous advantage actor-critic: n-step returns bootstrapped from the critic, A = R - V,
     loss = -A * log pi (+ beta * k3 KL) - ent_coef * H + vf_coef * 0.5 * (R - V)^2; no ratio, no

@@ -24,12 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BASE_COLUMNS = {  # trace field -> DuckDB type
-    "run_id": "VARCHAR", "step": "BIGINT", "prompt_id": "BIGINT", "group": "BIGINT", "sample": "BIGINT",
-    "used": "BOOLEAN", "prompt": "VARCHAR", "completion": "VARCHAR", "gold": "VARCHAR",
-    "completion_tokens": "BIGINT", "truncated": "BOOLEAN", "total": "DOUBLE", "advantage": "DOUBLE",
-    "value": "DOUBLE",
-}
+from .traces import columns
+
+BASE_COLUMNS = columns()  # trace field -> DuckDB type, from the one trace definition
 
 
 class AuditError(ValueError):
@@ -37,6 +34,7 @@ class AuditError(ValueError):
 
 
 def trace_files(path: str | Path) -> list[Path]:
+    """The trace files a run folder, a folder of JSONL files or one file stands for."""
     p = Path(path)
     if p.is_dir():
         if (p / "traces.jsonl").exists():
@@ -60,6 +58,8 @@ def _lit(text: str) -> str:
 
 @dataclass
 class Finding:
+    """One detector's verdict: whether it fired, what it measured, its threshold, example rows."""
+
     check: str
     fired: bool
     detail: str
@@ -137,6 +137,7 @@ class TraceStore:
 
     def select(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
                columns: str = "*") -> list[dict]:
+        """Rows of the traces (as dicts) matching a checked SQL `where`, ordered by `sort`, at most `limit`."""
         sql = f"SELECT {columns} FROM traces"
         if where:
             sql += f" WHERE ({self._checked(where, 'where')})"
@@ -158,6 +159,7 @@ class TraceStore:
 
     # ------------------------------------------------------------ summary
     def step_bins(self, bins: int) -> list[tuple[int, int]]:
+        """The step range split into `bins` contiguous (first, last) ranges."""
         lo, hi = self.con.execute("SELECT min(step), max(step) FROM traces").fetchone()
         if lo is None:
             return []
@@ -165,6 +167,7 @@ class TraceStore:
         return [(s, min(hi, s + width - 1)) for s in range(lo, hi + 1, width)]
 
     def summary(self, bins: int = 5, accuracy: str = "correctness") -> dict:
+        """Record counts, components and per-step-range means (reward, accuracy, length, truncation)."""
         out: dict[str, Any] = {"records": self.rows, "malformed_lines": len(self.malformed),
                                "components": self.components, "bins": []}
         if not self.rows:
@@ -197,96 +200,100 @@ class TraceStore:
                 for c in self.components if c != accuracy}
         return out
 
-    # ------------------------------------------------------------ detectors
-    def detect(self, bins: int = 5, accuracy: str = "correctness", format_name: str = "format",
-               min_rise: float = 0.10, min_fall: float = 0.05, length_ratio: float = 2.0,
-               repetition_rise: float = 0.10, no_signal_share: float = 0.95, error_share: float = 0.0,
-               examples: int = 3) -> list[Finding]:
-        """Named checks for common reward hacking and broken rewards, first vs last step range."""
-        findings: list[Finding] = []
-        ranges = self.step_bins(bins)
-        if not ranges:
-            return findings
-        first, last = ranges[0], ranges[-1]
+    def detect(self, **thresholds) -> list[Finding]:
+        """The reward-hacking detectors (module function `detect`) over this store."""
+        return detect(self, **thresholds)
 
-        def mean(expr: str, r: tuple[int, int]) -> float | None:
-            return self.con.execute(f"SELECT avg({expr}) FROM traces WHERE step BETWEEN {r[0]} AND {r[1]}"
-                                    ).fetchone()[0]
 
-        def ex(where: str, sort: str = "step DESC") -> list[dict]:
-            return self.select(where, sort, examples, "step, prompt_id, completion, total, completion_tokens")
-
-        span = f"steps {first[0]}-{first[1]} vs {last[0]}-{last[1]}"
-        if {accuracy, format_name} <= set(self.components) and len(ranges) > 1:
-            f0, f1 = mean(f"{_q(format_name)}.raw", first), mean(f"{_q(format_name)}.raw", last)
-            a0, a1 = mean(f"{_q(accuracy)}.raw", first), mean(f"{_q(accuracy)}.raw", last)
-            if None not in (f0, f1, a0, a1):
-                fired = f1 - f0 >= min_rise and a1 - a0 <= -min_fall
-                findings.append(Finding(
-                    "format_up_correctness_down", fired,
-                    f"{format_name} {f0:.3f} -> {f1:.3f}, {accuracy} {a0:.3f} -> {a1:.3f} ({span})",
-                    f"{format_name} rise >= {min_rise} and {accuracy} fall >= {min_fall}",
-                    ex(f"step >= {last[0]} AND {_q(format_name)}.raw > 0 AND {_q(accuracy)}.raw = 0")
-                    if fired else []))
-        if len(ranges) > 1:
-            r0, r1 = mean("total", first), mean("total", last)
-            l0, l1 = mean("completion_tokens", first), mean("completion_tokens", last)
-            if None not in (r0, r1, l0, l1) and l0 > 0:
-                ratio = l1 / l0
-                rising = r1 - r0 >= min_rise
-                findings.append(Finding(
-                    "length_collapse", rising and ratio <= 1 / length_ratio,
-                    f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
-                    f"reward rise >= {min_rise} with length shrinking by {length_ratio}x",
-                    ex(f"step >= {last[0]}", "completion_tokens ASC") if rising and ratio <= 1 / length_ratio else []))
-                findings.append(Finding(
-                    "length_growth", rising and ratio >= length_ratio,
-                    f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
-                    f"reward rise >= {min_rise} with length growing by {length_ratio}x",
-                    ex(f"step >= {last[0]}", "completion_tokens DESC") if rising and ratio >= length_ratio else []))
-            rep0, _ = self._repetition(first)
-            rep1, worst = self._repetition(last, examples)
-            findings.append(Finding(
-                "repetition_creep", rep1 - rep0 >= repetition_rise,
-                f"share of repeated word 3-grams {rep0:.3f} -> {rep1:.3f} ({span})",
-                f"rise >= {repetition_rise}", worst if rep1 - rep0 >= repetition_rise else []))
-        for c in self.components:
-            q = _q(c)
-            groups, constant = self.con.execute(
-                f"SELECT count(*), count(*) FILTER (WHERE lo = hi) FROM (SELECT min({q}.raw) lo, max({q}.raw) hi "
-                f"FROM traces WHERE \"group\" IS NOT NULL AND {q}.raw IS NOT NULL "
-                f"GROUP BY run_id, step, \"group\" HAVING count(*) > 1)").fetchone()
-            if groups:
-                share = constant / groups
-                findings.append(Finding(
-                    f"no_signal:{c}", share >= no_signal_share,
-                    f"{c} is constant within {constant} of {groups} groups ({share:.1%})",
-                    f"constant in >= {no_signal_share:.0%} of groups (no advantage signal)"))
-            n_err, n_all = self.con.execute(
-                f"SELECT count(*) FILTER (WHERE {q}.error IS NOT NULL), count(*) FROM traces").fetchone()
-            if n_all:
-                errs = self.con.execute(
-                    f"SELECT {q}.error AS error, count(*) AS n FROM traces WHERE {q}.error IS NOT NULL "
-                    f"GROUP BY 1 ORDER BY n DESC LIMIT {examples}").fetchall()
-                findings.append(Finding(
-                    f"erroring:{c}", n_err / n_all > error_share,
-                    f"{c} failed on {n_err} of {n_all} completions",
-                    f"error share > {error_share}", [{"error": e, "count": n} for e, n in errs]))
+def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", format_name: str = "format",
+           min_rise: float = 0.10, min_fall: float = 0.05, length_ratio: float = 2.0,
+           repetition_rise: float = 0.10, no_signal_share: float = 0.95, error_share: float = 0.0,
+           examples: int = 3) -> list[Finding]:
+    """Named checks for common reward hacking and broken rewards in `store`, first vs last step range."""
+    findings: list[Finding] = []
+    ranges = store.step_bins(bins)
+    if not ranges:
         return findings
+    first, last = ranges[0], ranges[-1]
 
-    def _repetition(self, r: tuple[int, int], k: int = 0) -> tuple[float, list[dict]]:
-        """Mean share of repeated word 3-grams over up to 400 sampled completions of the step range, and
-        the k most repetitive of them (scored once, with our own repetition reward)."""
-        from rewards import build_reward
+    def mean(expr: str, r: tuple[int, int]) -> float | None:
+        return store.con.execute(f"SELECT avg({expr}) FROM traces WHERE step BETWEEN {r[0]} AND {r[1]}"
+                                 ).fetchone()[0]
 
-        texts = [x[0] or "" for x in self.con.execute(
-            f"SELECT completion FROM traces WHERE step BETWEEN {r[0]} AND {r[1]} "
-            f"ORDER BY hash(source, lineno) LIMIT 400").fetchall()]
-        if not texts:
-            return 0.0, []
-        scores = build_reward("repetition", {"n": 3, "max_penalty": -1.0})(texts, texts)
-        worst = sorted(zip(scores, texts))[:k]
-        return -sum(scores) / len(texts), [{"repeated_share": -s, "completion": t} for s, t in worst]
+    def ex(where: str, sort: str = "step DESC") -> list[dict]:
+        return store.select(where, sort, examples, "step, prompt_id, completion, total, completion_tokens")
+
+    span = f"steps {first[0]}-{first[1]} vs {last[0]}-{last[1]}"
+    if {accuracy, format_name} <= set(store.components) and len(ranges) > 1:
+        f0, f1 = mean(f"{_q(format_name)}.raw", first), mean(f"{_q(format_name)}.raw", last)
+        a0, a1 = mean(f"{_q(accuracy)}.raw", first), mean(f"{_q(accuracy)}.raw", last)
+        if None not in (f0, f1, a0, a1):
+            fired = f1 - f0 >= min_rise and a1 - a0 <= -min_fall
+            findings.append(Finding(
+                "format_up_correctness_down", fired,
+                f"{format_name} {f0:.3f} -> {f1:.3f}, {accuracy} {a0:.3f} -> {a1:.3f} ({span})",
+                f"{format_name} rise >= {min_rise} and {accuracy} fall >= {min_fall}",
+                ex(f"step >= {last[0]} AND {_q(format_name)}.raw > 0 AND {_q(accuracy)}.raw = 0")
+                if fired else []))
+    if len(ranges) > 1:
+        r0, r1 = mean("total", first), mean("total", last)
+        l0, l1 = mean("completion_tokens", first), mean("completion_tokens", last)
+        if None not in (r0, r1, l0, l1) and l0 > 0:
+            ratio = l1 / l0
+            rising = r1 - r0 >= min_rise
+            findings.append(Finding(
+                "length_collapse", rising and ratio <= 1 / length_ratio,
+                f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
+                f"reward rise >= {min_rise} with length shrinking by {length_ratio}x",
+                ex(f"step >= {last[0]}", "completion_tokens ASC") if rising and ratio <= 1 / length_ratio else []))
+            findings.append(Finding(
+                "length_growth", rising and ratio >= length_ratio,
+                f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
+                f"reward rise >= {min_rise} with length growing by {length_ratio}x",
+                ex(f"step >= {last[0]}", "completion_tokens DESC") if rising and ratio >= length_ratio else []))
+        rep0, _ = _repetition(store, first)
+        rep1, worst = _repetition(store, last, examples)
+        findings.append(Finding(
+            "repetition_creep", rep1 - rep0 >= repetition_rise,
+            f"share of repeated word 3-grams {rep0:.3f} -> {rep1:.3f} ({span})",
+            f"rise >= {repetition_rise}", worst if rep1 - rep0 >= repetition_rise else []))
+    for c in store.components:
+        q = _q(c)
+        groups, constant = store.con.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE lo = hi) FROM (SELECT min({q}.raw) lo, max({q}.raw) hi "
+            f"FROM traces WHERE \"group\" IS NOT NULL AND {q}.raw IS NOT NULL "
+            f"GROUP BY run_id, step, \"group\" HAVING count(*) > 1)").fetchone()
+        if groups:
+            share = constant / groups
+            findings.append(Finding(
+                f"no_signal:{c}", share >= no_signal_share,
+                f"{c} is constant within {constant} of {groups} groups ({share:.1%})",
+                f"constant in >= {no_signal_share:.0%} of groups (no advantage signal)"))
+        n_err, n_all = store.con.execute(
+            f"SELECT count(*) FILTER (WHERE {q}.error IS NOT NULL), count(*) FROM traces").fetchone()
+        if n_all:
+            errs = store.con.execute(
+                f"SELECT {q}.error AS error, count(*) AS n FROM traces WHERE {q}.error IS NOT NULL "
+                f"GROUP BY 1 ORDER BY n DESC LIMIT {examples}").fetchall()
+            findings.append(Finding(
+                f"erroring:{c}", n_err / n_all > error_share,
+                f"{c} failed on {n_err} of {n_all} completions",
+                f"error share > {error_share}", [{"error": e, "count": n} for e, n in errs]))
+    return findings
+
+def _repetition(store: TraceStore, r: tuple[int, int], k: int = 0) -> tuple[float, list[dict]]:
+    """Mean share of repeated word 3-grams over up to 400 sampled completions of the step range, and
+    the k most repetitive of them (scored once, with our own repetition reward)."""
+    from rewards import build_reward
+
+    texts = [x[0] or "" for x in store.con.execute(
+        f"SELECT completion FROM traces WHERE step BETWEEN {r[0]} AND {r[1]} "
+        f"ORDER BY hash(source, lineno) LIMIT 400").fetchall()]
+    if not texts:
+        return 0.0, []
+    scores = build_reward("repetition", {"n": 3, "max_penalty": -1.0})(texts, texts)
+    worst = sorted(zip(scores, texts))[:k]
+    return -sum(scores) / len(texts), [{"repeated_share": -s, "completion": t} for s, t in worst]
 
 
 def parse_selection(text: str) -> tuple[str, tuple[int, int] | None]:
@@ -330,6 +337,7 @@ def compare(sel_a: str, sel_b: str, accuracy: str = "correctness", examples: int
 
 
 def export(rows: list[dict], path: str | Path) -> None:
+    """Write rows to a .jsonl or .csv file (by its extension)."""
     p = Path(path)
     if p.suffix == ".jsonl":
         p.write_text("".join(json.dumps(r, default=str, ensure_ascii=False) + "\n" for r in rows))

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import warnings
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from .errors import CheckpointError, CheckpointWarning
@@ -141,6 +142,7 @@ def latest_step(out_dir: Path) -> int | None:
 
 
 def list_checkpoints(out_dir: Path) -> list[Path]:
+    """The `checkpoint-N` folders in `out_dir`, oldest first."""
     found = []
     for p in Path(out_dir).glob("checkpoint-*"):
         if p.is_dir() and p.name.split("-", 1)[1].isdigit():
@@ -149,6 +151,7 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
 
 
 def prune(out_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints, and any half-written `.tmp` folder."""
     for old in list_checkpoints(out_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in Path(out_dir).glob("checkpoint-*.tmp"):
@@ -186,8 +189,30 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+@dataclass
+class TrainerState:
+    """What the loop itself carries from one step to the next (`trainer_state.json`); the adapter,
+    optimizer, scheduler and RNG states are saved beside it by their own libraries."""
+
+    step: int  # the last finished step (the checkpoint follows it)
+    run_id: str  # the main process's id of this run (wandb's run id, the traces' run_id)
+    sampler: dict[str, int] = field(default_factory=dict)  # PromptSampler.state(): data order and position
+    offsets: dict[str, int] = field(default_factory=dict)  # byte size of each output file (main process)
+    nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
+    world_size: int = 1  # processes that wrote the checkpoint
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> TrainerState:
+        """From `trainer_state.json`; fields that older checkpoints lack take their defaults above."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
 def write_training_state(folder: Path, *, model, tokenizer, critic, accelerator, config: dict,
-                         trainer_state: dict, main: bool = True) -> None:
+                         trainer_state: TrainerState, main: bool = True) -> None:
     """Fill `folder` with everything a resume reads: the peft adapter(s) (model weights are skipped by
     accelerate's hooks), tokenizer, value head, accelerate's optimizer/scheduler/RNG states (one RNG file
     per process: every process calls this, only the main one writes the rest), the resolved config and
@@ -201,16 +226,16 @@ def write_training_state(folder: Path, *, model, tokenizer, critic, accelerator,
         from safetensors.torch import save_file
 
         save_file(critic.state_dict(), folder / "critic.safetensors")
-    write_json(folder / "run_config.json", {"step": trainer_state["step"], "config": config})
-    write_json(folder / TRAINER_STATE, trainer_state)
+    write_json(folder / "run_config.json", {"step": trainer_state.step, "config": config})
+    write_json(folder / TRAINER_STATE, trainer_state.to_json())
 
 
-def load_training_state(folder: Path, *, model, critic, separate_critic: bool, accelerator) -> dict:
+def load_training_state(folder: Path, *, model, critic, separate_critic: bool, accelerator) -> TrainerState:
     """Load what `write_training_state` wrote into the live objects; returns the trainer state."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    state = json.loads((folder / TRAINER_STATE).read_text())
+    state = TrainerState.from_json(json.loads((folder / TRAINER_STATE).read_text()))
     set_peft_model_state_dict(model, load_file(str(folder / "adapter_model.safetensors")))
     if separate_critic:  # peft saves a second adapter in a folder named after it
         set_peft_model_state_dict(model, load_file(str(folder / CRITIC_ADAPTER / "adapter_model.safetensors")),

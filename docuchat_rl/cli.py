@@ -32,6 +32,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The `docuchat-rl` argument parser: one sub-command per job."""
     ap = argparse.ArgumentParser(prog="docuchat-rl", description="Teach small language models to reason with RL "
                                  "(GRPO; PPO and A2C) on LoRA adapters, with traced rewards.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -91,13 +92,15 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def cmd_train(args) -> int:
+def cmd_train(args, on_phase=None) -> int:
+    """Train, with the before/after evaluation; on SIGTERM/SIGINT print how to resume (exit 128 + signal).
+    `on_phase`: see Trainer (the fault soak's seam)."""
     from .config import load_config
     from .errors import Preempted
     from .trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg, resume=args.resume)
+    trainer = Trainer(cfg, resume=args.resume, on_phase=on_phase)
     report: dict = {}
     do_eval = bool(cfg.eval.before_and_after and cfg.data.test)  # every process evaluates a share of the rows
     try:
@@ -130,6 +133,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """Evaluate the base model or a checkpoint on the held-out set (each process a share of the rows)."""
     from accelerate import PartialState
 
     from .distributed import Dist, on_cpu
@@ -171,16 +175,12 @@ def _sampling(args, cfg) -> dict:
 
 
 def _examples(args, cfg):
-    from .data import DataError, Example, load_examples
+    from .data import DataError, Example, load_examples, load_split
 
     if args.prompt:
         return [Example(i, p, "") for i, p in enumerate(args.prompt)]
     if args.held_out:
-        if not cfg.data.test:
-            raise DataError("--held-out: data.test is null")
-        d = cfg.data
-        return load_examples(d.test, d.test_split, d.prompt_column, d.answer_column, limit=args.held_out,
-                             revision=d.revision, subset=d.subset)
+        return load_split(cfg.data, "test", args.held_out)
     path = Path(args.file)
     if path.suffix.lower() == ".txt":
         if not path.exists():
@@ -201,14 +201,14 @@ def _examples(args, cfg):
 
 
 def cmd_generate(args) -> int:
+    """Sample from the base model, a checkpoint, or both side by side; optionally scored."""
     from rich.console import Console
     from rich.markup import escape
     from rich.panel import Panel
 
-    from rewards import CompositeReward
-
     from .inference import load_policy, sample_records
     from .report import print_records
+    from .scoring import build_reward
 
     cfg = _config_for(args)
     if args.compare and not args.adapter:
@@ -217,10 +217,7 @@ def cmd_generate(args) -> int:
         return 2
     examples = _examples(args, cfg)
     model, tok = load_policy(cfg, args.adapter)
-    reward = None
-    if args.score:
-        reward = CompositeReward([c.model_dump() for c in cfg.rewards.components], strict=cfg.rewards.strict,
-                                 timeout_s=cfg.rewards.timeout_s)
+    reward = build_reward(cfg.rewards) if args.score else None
     kw = dict(n=args.n, max_new_tokens=args.max_new_tokens or cfg.eval.max_new_tokens, reward=reward,
               **_sampling(args, cfg))
     runs = [("base", True), ("adapter", False)] if args.compare else [("adapter" if args.adapter else "base", False)]
@@ -247,6 +244,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
+    """A multi-turn conversation with the base model or a checkpoint on the console."""
     from .inference import chat, load_policy
 
     cfg = _config_for(args)
@@ -264,6 +262,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """Merge a checkpoint's adapter into the base weights and save a plain model folder."""
     from .inference import export_merged
 
     cfg = _config_for(args)
@@ -274,6 +273,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_config(args) -> int:
+    """Print the resolved config as YAML, or every key with its doc (--explain)."""
     from .config import explain, load_config
 
     if args.explain:
@@ -286,6 +286,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_audit(args) -> int:
+    """Read trace files: summary, detectors, filtered rows, comparisons, exports, the HTML report."""
     from rich.console import Console
 
     from .audit import AuditError, TraceStore, compare, export
@@ -324,7 +325,7 @@ def cmd_audit(args) -> int:
         summary = findings = None
         if not selecting or args.html:
             summary = store.summary(args.bins, args.accuracy)
-            findings = store.detect(args.bins, args.accuracy)
+            findings = store.detect(bins=args.bins, accuracy=args.accuracy)
         if not selecting:
             if args.json:
                 print(json.dumps({"summary": summary, "findings": [f.__dict__ for f in findings],
@@ -339,6 +340,7 @@ def cmd_audit(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; the project's errors become one `docuchat-rl: error:` line and exit code 2."""
     args = parser().parse_args(argv)
     # peft reads transformers' deprecated `is_gradient_checkpointing` on every PeftModel: noise, not ours.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)

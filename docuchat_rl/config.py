@@ -17,8 +17,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .algorithm_configs import ALGORITHM_CONFIGS, AlgorithmConfig, GRPOConfig
-from .data import DEFAULT_SYSTEM_PROMPT
+from .algorithm_configs import ALGORITHMS, AlgorithmConfig, BatchShape, GRPOConfig
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Solve the problem. Think step by step inside <think> </think>, "
+    "then give the final answer inside <answer> </answer>."
+)
 
 
 class ConfigError(ValueError):
@@ -30,6 +34,8 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
+    """The base model: where it comes from, its dtype and device."""
+
     name_or_path: str = "data/model"
     """Local folder or hub id of any causal LM (default: the embedded tiny model)."""
     revision: str | None = None
@@ -45,6 +51,8 @@ class ModelConfig(Section):
 
 
 class LoraConfig(Section):
+    """The LoRA adapter that is trained (peft)."""
+
     r: int = Field(16, ge=1)
     """LoRA rank."""
     alpha: float = Field(32.0, gt=0)
@@ -56,6 +64,8 @@ class LoraConfig(Section):
 
 
 class DataConfig(Section):
+    """The training and held-out prompts: sources, columns, system prompt, length limit."""
+
     train: str = "data/task/train.jsonl"
     """Training prompts: a .jsonl/.csv/.parquet file or a hub data set name."""
     train_split: str = "train"
@@ -79,6 +89,8 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
+    """Sampling a step's groups: sizes, the sampler's processors, the engine, the sampler correction."""
+
     prompts_per_step: int = Field(8, ge=1)
     """Prompts (P) sampled per training step."""
     num_generations: int = Field(8, ge=1)
@@ -119,6 +131,8 @@ class RolloutConfig(Section):
 
 
 class RewardSpec(Section):
+    """One reward component: its registered name (or dotted path), weight and parameters."""
+
     name: str
     """Registered reward name or a dotted path `package.module:function`."""
     weight: float = 1.0
@@ -128,6 +142,8 @@ class RewardSpec(Section):
 
 
 class RewardsConfig(Section):
+    """The composite reward: its components and how failures are handled."""
+
     components: list[RewardSpec] = Field(default_factory=lambda: [
         RewardSpec(name="correctness", weight=1.0), RewardSpec(name="format", weight=0.2)])
     """The selected rewards; YAML may give this list directly as `rewards: [...]`."""
@@ -155,6 +171,8 @@ class RewardsConfig(Section):
 
 
 class OptimConfig(Section):
+    """The optimizer, its schedule, and how each update is split into minibatches and micro-batches."""
+
     name: Literal["adamw", "rmsprop"] = "adamw"
     """Optimizer (rmsprop with alpha 0.99, eps 1e-5 is the classic A2C choice)."""
     lr: float = Field(5e-4, gt=0)
@@ -186,6 +204,8 @@ class OptimConfig(Section):
 
 
 class CheckpointConfig(Section):
+    """How often checkpoints are written and how many are kept."""
+
     every: int = Field(50, ge=1)
     """Save a checkpoint every this many training steps (and always at the end)."""
     keep_last: int = Field(3, ge=1)
@@ -193,6 +213,8 @@ class CheckpointConfig(Section):
 
 
 class LoggingConfig(Section):
+    """Progress bar and Weights & Biases."""
+
     progress: bool = True
     """Show a progress bar."""
     wandb: bool = False
@@ -204,6 +226,8 @@ class LoggingConfig(Section):
 
 
 class EvalConfig(Section):
+    """Held-out evaluation: which rows, how long, pass@k, when."""
+
     limit: int | None = Field(None, ge=1)
     """Evaluate on the first N held-out rows only (null: all)."""
     max_new_tokens: int | None = Field(None, ge=1)
@@ -219,6 +243,8 @@ class EvalConfig(Section):
 
 
 class RunConfig(Section):
+    """The run as a whole: output folder, length, seed, threads."""
+
     output_dir: str = "runs/default"
     """Where checkpoints, metrics.jsonl and traces.jsonl go."""
     steps: int = Field(200, ge=1)
@@ -232,6 +258,8 @@ class RunConfig(Section):
 
 
 class Config(Section):
+    """A whole run's settings, one section per concern; `load_config` builds it from YAML and `--set`."""
+
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
@@ -246,6 +274,7 @@ class Config(Section):
 
     @property
     def minibatch_rows(self) -> int:
+        """Completions per optimizer step (optim.minibatch_size, or the whole rollout batch)."""
         return self.optim.minibatch_size or self.rollout.batch_rows
 
     @model_validator(mode="before")
@@ -278,7 +307,7 @@ class Config(Section):
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")
-        problem = self.algorithm.check(self)
+        problem = self.algorithm.check(BatchShape(r.num_generations, rows, self.minibatch_rows))
         if problem:
             raise ValueError(problem)
         return self
@@ -291,17 +320,17 @@ def _one_line(err: ValidationError) -> str:
     """The first pydantic error as 'key: message' (pydantic's own report is several lines)."""
     e = err.errors()[0]
     loc = tuple(e["loc"])
-    if loc[:1] == ("algorithm",) and len(loc) > 1 and loc[1] in ALGORITHM_CONFIGS:
+    if loc[:1] == ("algorithm",) and len(loc) > 1 and loc[1] in ALGORITHMS:
         algo, loc = loc[1], loc[:1] + loc[2:]  # the union's tag is not part of the key
         if e["type"] == "extra_forbidden":
-            allowed = ", ".join(sorted(ALGORITHM_CONFIGS[algo].model_fields))
+            allowed = ", ".join(sorted(ALGORITHMS[algo].model_fields))
             return (f"config key 'algorithm.{'.'.join(map(str, loc[1:]))}' does not apply to algorithm "
                     f"{algo!r}; its keys are: {allowed}")
     key = ".".join(str(p) for p in loc)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "union_tag_invalid":
         return (f"config key '{key}.name': unknown algorithm {e['ctx']['tag']!r}; "
-                f"valid: {', '.join(sorted(ALGORITHM_CONFIGS))}")
+                f"valid: {', '.join(sorted(ALGORITHMS))}")
     if e["type"] == "extra_forbidden":
         parent = _model_at(e["loc"][:-1])
         allowed = sorted(parent.model_fields) if parent else []
@@ -425,7 +454,7 @@ def explain(cfg: Config | None = None) -> str:
     lines = []
     for section, field in Config.model_fields.items():
         model = type(getattr(cfg, section))
-        others = sorted(set(ALGORITHM_CONFIGS) - {cfg.algorithm.name}) if section == "algorithm" else []
+        others = sorted(set(ALGORITHMS) - {cfg.algorithm.name}) if section == "algorithm" else []
         lines.append(f"{section}:" + (f"  # keys of {cfg.algorithm.name}; see also --set algorithm.name="
                                       f"{'|'.join(others)}" if others else ""))
         for name, f in model.model_fields.items():

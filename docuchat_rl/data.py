@@ -14,14 +14,13 @@ import random
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rewards.correctness import gold_of
 
-DEFAULT_SYSTEM_PROMPT = (
-    "Solve the problem. Think step by step inside <think> </think>, "
-    "then give the final answer inside <answer> </answer>."
-)
+if TYPE_CHECKING:
+    from .config import DataConfig
+
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 _CALC = re.compile(r"<<[^>]*>>")
 
@@ -113,6 +112,15 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
     return out
 
 
+def load_split(d: DataConfig, which: str, limit: int | None = None) -> list[Example]:
+    """The configured training (`which="train"`) or held-out (`"test"`) rows, the first `limit` of them."""
+    source, split = (d.train, d.train_split) if which == "train" else (d.test, d.test_split)
+    if source is None:
+        raise DataError(f"data.{which} is null: there are no {which} rows")
+    return load_examples(source, split, d.prompt_column, d.answer_column, limit=limit, revision=d.revision,
+                         subset=d.subset)
+
+
 def reward_inputs(examples: list[Example], completion_tokens: list[int], truncated: list[bool]) -> dict[str, list]:
     """The keyword columns every reward receives, one entry per completion (examples repeated per
     completion): the data set's other columns, then ours, which win a name clash: `answer` (the gold
@@ -143,6 +151,7 @@ class PromptSampler:
         return order
 
     def take(self, k: int) -> list[int]:
+        """The next `k` row indices in the data order (a new epoch's permutation when one runs out)."""
         out = []
         while len(out) < k:
             if self.position == self.n:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .modeling import base_model
+
 
 def no_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over the processes of a one-process run: the tensor itself (the default `reduce` of the
@@ -47,6 +49,9 @@ def on_cpu(device_setting: str) -> bool:
 
 
 class Dist:
+    """This process's place among the launched ones (world, rank, device) and the collectives over them;
+    every method is the identity (or trivial) on one process."""
+
     def __init__(self, world: int = 1, rank: int = 0, device: torch.device | None = None):
         self.world, self.rank, self.device = world, rank, device or torch.device("cpu")
 
@@ -57,10 +62,12 @@ class Dist:
 
     @property
     def active(self) -> bool:
+        """Several processes (the collectives communicate)."""
         return self.world > 1
 
     @property
     def is_main(self) -> bool:
+        """The process that writes the run's files."""
         return self.rank == 0
 
     def _reduce(self, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -72,11 +79,17 @@ class Dist:
         dist.all_reduce(out, op=getattr(dist.ReduceOp, op))
         return out.to(x.device)
 
+    def share(self, n: int) -> tuple[int, int]:
+        """[lo, hi): this process's contiguous share of n items (the first processes get fewer when n
+        does not divide)."""
+        return self.rank * n // self.world, (self.rank + 1) * n // self.world
+
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """x summed over ranks (a new tensor; x itself unchanged)."""
         return self._reduce(x, "SUM")
 
     def max(self, x: torch.Tensor) -> torch.Tensor:
+        """x's element-wise maximum over ranks (a new tensor)."""
         return self._reduce(x, "MAX")
 
     def gather(self, items: list) -> list:
@@ -98,6 +111,7 @@ class Dist:
         return int(self.max(torch.tensor([float(n)])))
 
     def barrier(self) -> None:
+        """Wait for every process (nothing on one process)."""
         if self.active:
             import torch.distributed as dist
 
@@ -179,7 +193,7 @@ def shard_layers(model: torch.nn.Module, sharding: Sharding) -> list[torch.nn.Mo
     """fully_shard each decoder layer of `model`, its trainable parameters left whole; -> the sharded layers."""
     from torch.distributed.fsdp import fully_shard
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     names = set(sharding.layer_classes or getattr(base, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:

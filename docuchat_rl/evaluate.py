@@ -22,11 +22,12 @@ import torch
 from rewards import CompositeReward
 
 from .config import Config
-from .data import Example, load_examples, render_prompt
+from .data import Example, load_split, render_prompt
 from .distributed import Dist
-from .generation import generate
+from .generation import generate, row_seed
 from .modeling import merged_adapter
-from .rollout import row_seed, score
+from .scoring import build_reward, score
+from .traces import reward_means
 
 EVAL_STEP = 0  # pass@k's random streams are row_seed(run seed, EVAL_STEP, row, sample); training steps start at 1
 
@@ -41,11 +42,6 @@ class EvalRow:
     hits: list[float]  # the accuracy component's raw score of each of the pass@k samples (empty when off)
 
 
-def _mean(values: list) -> float | None:
-    values = [v for v in values if v is not None]
-    return float(np.mean(values)) if values else None
-
-
 def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None, dist: Dist | None = None,
              lockstep=None) -> dict:
     """The held-out numbers. On several processes (`dist`) each evaluates a contiguous share of the rows
@@ -54,18 +50,11 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     generation (see generation.generate)."""
     e, dist = cfg.eval, dist or Dist()
     if examples is None:
-        if not cfg.data.test:
-            raise ValueError("data.test is null: nothing to evaluate on")
-        examples = load_examples(cfg.data.test, cfg.data.test_split, cfg.data.prompt_column,
-                                 cfg.data.answer_column, limit=e.limit, revision=cfg.data.revision,
-                                 subset=cfg.data.subset)
-    specs = [c.model_dump() for c in cfg.rewards.components]
-    if "format" not in {s["name"] for s in specs}:
-        specs.append({"name": "format", "weight": 0.0})
-    reward = CompositeReward(specs, strict=cfg.rewards.strict, timeout_s=cfg.rewards.timeout_s)
+        examples = load_split(cfg.data, "test", e.limit)
+    reward = build_reward(cfg.rewards, with_format=True)
     acc_name = cfg.rewards.accuracy_component
     k = e.pass_k if e.pass_k and acc_name in reward.names else 0
-    lo, hi = dist.rank * len(examples) // dist.world, (dist.rank + 1) * len(examples) // dist.world
+    lo, hi = dist.share(len(examples))
     mine = examples[lo:hi]  # this process's share
     max_new = e.max_new_tokens or cfg.rollout.max_new_tokens
     was_training = model.training
@@ -77,8 +66,8 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     rows = dist.gather(rows)  # every row, in order, on every process
     model.train(was_training)
     out: dict = {"rows": len(examples), "max_new_tokens": max_new}
-    for name in reward.names:
-        out[f"{name}/mean"] = _mean([r.raw[name] for r in rows])
+    for name, mean in reward_means([r.raw for r in rows], reward.names).items():
+        out[f"{name}/mean"] = mean
     if acc_name in reward.names:
         out["accuracy"] = out[f"{acc_name}/mean"]
     out["format_rate"] = out["format/mean"]

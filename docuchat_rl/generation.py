@@ -25,13 +25,25 @@ steps (compilation takes longer than a whole run of the embedded default on a CP
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from dataclasses import dataclass
 
 import torch
 
+from .modeling import base_model
+
+
+def row_seed(seed: int, step: int, slot: int, sample: int) -> int:
+    """The seed of one completion's random stream: a hash of (run seed, step, the prompt's slot among the
+    step's sampled prompts, sample index), so what it draws depends on nothing else (not on
+    generation_batch_size, nor on how prompts are split between processes)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{slot}/{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 @dataclass
 class Generation:
+    """What an engine returns for a batch of prompts: tokens, truncation flags and the sampler's log-probs."""
+
     prompt_ids: list[list[int]]  # per prompt row, unpadded
     completion_ids: list[list[int]]  # per row, unpadded, EOS included when emitted
     truncated: list[bool]  # True when no EOS was produced within max_new_tokens
@@ -158,7 +170,7 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
     and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
     while any process still has a row to finish."""
-    from .batch import position_ids
+    from .forward import position_ids
 
     u, lp = input_ids.shape
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
@@ -196,7 +208,7 @@ def _plain_generation_config(model):
     processors the trainer never scores. Swap in one holding only the special tokens for the call."""
     from transformers import GenerationConfig
 
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model
+    target = base_model(model)
     original = target.generation_config
     target.generation_config = GenerationConfig(eos_token_id=original.eos_token_id,
                                                 bos_token_id=original.bos_token_id,

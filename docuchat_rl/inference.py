@@ -52,7 +52,8 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
                    reward=None, base: bool = False) -> list[dict]:
     """`n` completions per example (greedy when not `do_sample`); scored by `reward` (a CompositeReward)
     when given. `base` runs a peft model with its adapter disabled."""
-    from .rollout import score
+    from .scoring import score
+    from .traces import completion_fields
 
     prompts = [render_prompt(tok, e.question, cfg.data.system_prompt) for e in examples]
     ctx = model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
@@ -63,17 +64,9 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
     texts = tok.batch_decode(gen.completion_ids, skip_special_tokens=True)
     rows = [e for e in examples for _ in range(n)]
     result = score(reward, rows, texts, gen) if reward is not None else None
-    records = []
-    for i, (e, text) in enumerate(zip(rows, texts)):
-        rec = {"prompt_id": e.prompt_id, "sample": i % n, "prompt": e.question, "completion": text,
-               "gold": e.answer or None, "completion_tokens": len(gen.completion_ids[i]),
-               "truncated": gen.truncated[i]}
-        if result is not None:
-            r = result.records[i]
-            rec.update(total=r.total, total_missing=r.total_missing,
-                       rewards={k: c.as_dict() for k, c in r.components.items()})
-        records.append(rec)
-    return records
+    return [completion_fields(e, i % n, text, len(gen.completion_ids[i]), gen.truncated[i],
+                              result.records[i] if result is not None else None)
+            for i, (e, text) in enumerate(zip(rows, texts))]
 
 
 def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[str], None], *,

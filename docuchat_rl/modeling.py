@@ -26,7 +26,13 @@ if TYPE_CHECKING:
 CRITIC_ADAPTER = "critic"  # the separate critic's LoRA adapter (algorithm.critic_backbone: separate)
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (the model itself when it has none)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def pick_device(device: str = "auto") -> torch.device:
+    """The torch device `model.device` names (auto: the GPU when there is one)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -45,6 +51,8 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
 
 def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str = "auto",
                              trust_remote_code: bool = False, revision: str | None = None):
+    """(model on the device in the chosen dtype, tokenizer with a pad token); a load failure is one line
+    naming the key."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = pick_device(device)
@@ -84,6 +92,7 @@ def disable_dropout(model: torch.nn.Module) -> int:
 
 
 def lora_config(cfg: LoraConfig):
+    """peft's LoraConfig for our `lora` section."""
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,

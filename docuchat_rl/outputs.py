@@ -46,6 +46,8 @@ def claim_output_dir(out_dir: Path, overwrite: bool) -> None:
 
 
 class JsonlWriter:
+    """An append-only JSONL file, cut back to a checkpointed offset when opened for a resume."""
+
     def __init__(self, path: Path, truncate_to: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ def _fmt(v: Any, digits: int = 3) -> str:
 
 
 def print_summary(summary: dict, findings: list[Finding], malformed: list[dict], console=None) -> None:
+    """The audit summary on the console: per-step-range table, then the detectors."""
     from rich.console import Console
     from rich.table import Table
 
@@ -56,6 +57,7 @@ def print_summary(summary: dict, findings: list[Finding], malformed: list[dict],
 
 
 def print_findings(findings: list[Finding], console=None) -> None:
+    """Each detector's verdict on the console, with the examples of the ones that fired."""
     from rich.console import Console
 
     console = console or Console()
@@ -68,6 +70,7 @@ def print_findings(findings: list[Finding], console=None) -> None:
 
 
 def print_records(rows: list[dict], components: list[str], console=None) -> None:
+    """Trace rows on the console: prompt, completion and each component's score and reason."""
     from rich.console import Console
     from rich.markup import escape
     from rich.panel import Panel
@@ -121,6 +124,7 @@ def _png(fig) -> str:
 
 
 def html_report(store: TraceStore, summary: dict, findings: list[Finding], title: str) -> str:
+    """A self-contained HTML page: the detectors, the per-step-range table, plots, malformed lines."""
     import matplotlib
 
     matplotlib.use("Agg")

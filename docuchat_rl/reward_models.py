@@ -2,8 +2,9 @@
 (prompt, completion) pairs, batched, on the training device, with the trace entry and fault isolation
 of every other reward (the composite reward times it, records its errors, never lets it stop training).
 
-It lives in the engine, not in `rewards/`, because it needs torch; `rewards` knows it by name only and
-imports this module on first use, so `{name: reward_model, params: {model: PATH}}` works in any recipe.
+It lives in the engine, not in `rewards/`, because it needs torch (imported on first call only); it
+registers itself when the `docuchat_rl` package is imported, so `{name: reward_model, params: {model:
+PATH}}` works in any recipe and `rewards` never names the engine.
 
 Deliberately left out: pairwise (Bradley-Terry) comparison within a group and remote reward servers.
 """

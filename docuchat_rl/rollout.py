@@ -6,8 +6,7 @@ more prompts until the step is full (or the resample rounds run out). The result
 `Completion` per sampled completion, in sampling order, from which both the training `Batch` (the used
 groups, as tensors) and the trace records are made, so the two can never disagree.
 
-Reward inputs (the data set's columns plus answer, completion_tokens, truncated, prompt_id) are built by
-`data.reward_inputs` here and in evaluation alike.
+Completions are scored by `scoring.score`, as in evaluation; trace records are built by `traces.py`.
 
 Deliberately left out: asynchronous or off-policy rollouts (the sampler runs with the current adapter,
 between updates) and external engines; an engine must return what `generation.Generation` holds,
@@ -17,19 +16,20 @@ the sampler's per-token log-probs included.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from dataclasses import dataclass
 
 from rewards import CompositeReward
-from rewards.composite import BatchResult, RewardRecord
+from rewards.composite import RewardRecord
 
 from .batch import Batch, build_batch
 from .config import RolloutConfig
-from .data import Example, PromptSampler, reward_inputs
+from .data import Example, PromptSampler
 from .distributed import Dist
-from .generation import Generation, generate
+from .generation import Generation, generate, row_seed
 from .modeling import merged_adapter
+from .scoring import score
+from .traces import TraceRecord, completion_fields
 
 
 class Timer:
@@ -90,36 +90,17 @@ class Rollout:
                            [local[c.group] for c in used], pad_id, sampler_logps=[c.sampler_logps for c in used],
                            reward_valid=[not c.reward.total_missing for c in used])
 
-    def trace_records(self, step: int, run_id: str, per_row: dict[str, list]) -> list[tuple[int, dict]]:
-        """One (slot, trace record) per completion; `per_row` holds algorithm values for the used rows, in
-        order. Sorting every process's pairs by slot (stably) gives the one-process order."""
+    def trace_records(self, step: int, run_id: str, per_row: dict[str, list]) -> list[tuple[int, TraceRecord]]:
+        """One (slot, trace record) per completion; `per_row` holds the algorithm's trace fields for the
+        used rows, in order. Sorting every process's pairs by slot (stably) gives the one-process order."""
         records, used_i = [], 0
         for c in self.completions:
-            rec = c.reward
-            record = {"run_id": run_id, "step": step, "prompt_id": c.example.prompt_id, "group": c.group,
-                      "sample": c.sample, "used": c.used, "prompt": c.example.question, "completion": c.text,
-                      "gold": c.example.answer, "completion_tokens": len(c.ids), "truncated": c.truncated,
-                      "rewards": {k: v.as_dict() for k, v in rec.components.items()},
-                      "total": rec.total, "total_missing": rec.total_missing}
-            for k, values in per_row.items():
-                record[k] = values[used_i] if c.used else None
+            algo = {k: values[used_i] if c.used else None for k, values in per_row.items()}
             used_i += c.used
-            records.append((c.slot, record))
+            records.append((c.slot, TraceRecord(
+                run_id=run_id, step=step, group=c.group, used=c.used, algorithm=algo,
+                **completion_fields(c.example, c.sample, c.text, len(c.ids), c.truncated, c.reward))))
         return records
-
-
-def score(reward: CompositeReward, examples: list[Example], texts: list[str], gen: Generation) -> BatchResult:
-    """The composite reward of each completion; `examples` holds each completion's example (repeated)."""
-    columns = reward_inputs(examples, [len(c) for c in gen.completion_ids], gen.truncated)
-    return reward([e.question for e in examples], texts, **columns)
-
-
-def row_seed(seed: int, step: int, slot: int, sample: int) -> int:
-    """The seed of one completion's random stream: a hash of (run seed, step, the prompt's slot among the
-    step's sampled prompts, sample index), so what it draws depends on nothing else (not on
-    generation_batch_size, nor on how prompts are split between processes)."""
-    digest = hashlib.blake2b(f"{seed}/{step}/{slot}/{sample}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
 class Collector:
@@ -159,7 +140,7 @@ class Collector:
         kept = rounds = sampled = 0  # over all processes
         while True:
             n = r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step
-            lo, hi = dist.rank * n // dist.world, (dist.rank + 1) * n // dist.world
+            lo, hi = dist.share(n)
             idx = self.sampler.take(n)[lo:hi]  # this process's share of the round's prompts
             examples = [self.examples[i] for i in idx for _ in range(g)]
             seeds = [row_seed(self.seed, step, sampled + lo + p, s) for p in range(len(idx)) for s in range(g)]

@@ -33,6 +33,8 @@ PHRASES = {
 
 @dataclass(frozen=True)
 class Problem:
+    """One synthetic word problem with its GSM8K-style worked answer."""
+
     question: str
     answer: str  # GSM8K format: annotated steps, then "#### N"
     value: int
@@ -66,6 +68,7 @@ def _apply(op: str, a: int, b: int) -> int:
 
 
 def make_problem(rng: random.Random) -> Problem:
+    """A random 2-4 operation word problem drawn from `rng`."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     n_ops = rng.randint(2, 4)
     value = rng.randint(2, 30)

@@ -91,10 +91,8 @@ class FunctionReward(Reward):
         return [Score(v) for v in values]
 
 
-_REGISTRY: dict[str, type[Reward]] = {}
-# names whose class lives outside this package (in the engine, with torch), imported on first use so that
-# this package and config validation stay torch-free: name -> "package.module:Class"
-_ELSEWHERE: dict[str, str] = {"reward_model": "docuchat_rl.reward_models:RewardModel"}
+_REGISTRY: dict[str, type[Reward]] = {}  # rewards outside this package (the engine's torch-based
+# `reward_model`) register here themselves when their module is imported
 
 
 def register(name: str) -> Callable[[type[Reward]], type[Reward]]:
@@ -111,16 +109,13 @@ def register(name: str) -> Callable[[type[Reward]], type[Reward]]:
 
 
 def registered() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_ELSEWHERE))
+    """Every registered reward name, sorted."""
+    return sorted(_REGISTRY)
 
 
 def resolve_reward(name: str) -> type[Reward] | Callable:
     """A registered reward class, or the object behind a dotted path `package.module:attribute`."""
     if name in _REGISTRY:
-        return _REGISTRY[name]
-    if name in _ELSEWHERE:
-        module = _ELSEWHERE[name].partition(":")[0]
-        importlib.import_module(module)  # registers it
         return _REGISTRY[name]
     if ":" in name:
         module, _, attr = name.partition(":")

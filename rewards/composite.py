@@ -33,6 +33,8 @@ class RewardFailure(RuntimeError):
 
 @dataclass
 class ComponentResult:
+    """One component's score of one completion: raw value, weight, weighted value, reason, error."""
+
     raw: float | None
     weight: float
     weighted: float | None
@@ -53,6 +55,8 @@ class RewardRecord:
 
 @dataclass
 class BatchResult:
+    """A batch scored: one record per completion, failures and wall time per component."""
+
     records: list[RewardRecord]
     errors: dict[str, int] = field(default_factory=dict)  # failed completions per component
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per component

@@ -127,6 +127,7 @@ class Correctness(Reward):
         self.answer_key = answer_key
 
     def extract(self, completion: str) -> tuple[str | None, str | None]:
+        """(the final answer, the extractor that found it) from the first configured extractor that matches."""
         for name in self.extractors:
             found = EXTRACTORS[name](completion)
             if found:

@@ -17,6 +17,7 @@ from .correctness import Correctness
 
 
 def completion_length(completion: str, row: dict[str, Any], unit: str) -> int:
+    """A completion's length in characters or tokens (the trainer's count when it is given)."""
     if unit == "chars":
         return len(completion)
     if row.get("completion_tokens") is not None:

@@ -32,10 +32,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tokenizers import AddedToken
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, reasoning_target, render_prompt
-from rewards.correctness import gold_of
+from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
+from docuchat_rl.data import reasoning_target, render_prompt
 from docuchat_rl.generation import generate
 from docuchat_rl.synthetic import make_split, make_task
+from rewards.correctness import gold_of
 
 SPECIAL = ["<|endoftext|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]

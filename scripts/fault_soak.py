@@ -5,7 +5,8 @@
 
 A small recipe (the embedded default shrunk: 2 prompts x 4 completions, 24 new tokens, a checkpoint every
 step) runs once uninterrupted, then again while this script kills it: it watches the phase the trainer
-is in (the trainer writes it to DOCUCHAT_RL_PHASE_FILE), picks the next target phase in turn (rollout,
+is in (each run is `docuchat-rl train` started through this script's `child` mode, whose Trainer
+`on_phase` hook writes the phase to a file), picks the next target phase in turn (rollout,
 update, log = the trace/metrics write, checkpoint = the checkpoint write), waits a random moment inside
 it, sends SIGKILL, reads back the phase the process was really in, checks that `--resume latest` would
 choose an intact checkpoint, and restarts with `--resume latest`. When the kills are done the run
@@ -39,8 +40,22 @@ def recipe(out: Path, steps: int) -> list[str]:
     sets = [f"run.output_dir={out}", f"run.steps={steps}", "run.threads=2", "rollout.prompts_per_step=2",
             "rollout.num_generations=4", "rollout.max_new_tokens=24", "checkpoint.every=1",
             "checkpoint.keep_last=2", "logging.progress=false", "eval.before_and_after=false"]
-    return [sys.executable, "-m", "docuchat_rl", "train", "--config", str(ROOT / "config/default.yaml"),
+    return [sys.executable, str(Path(__file__).resolve()), "child", "--config", str(ROOT / "config/default.yaml"),
             *[a for s in sets for a in ("--set", s)]]
+
+
+def child(argv: list[str]) -> int:
+    """`docuchat-rl train ARGV`, the phase the loop enters written to $SOAK_PHASE_FILE (when set)."""
+    from docuchat_rl import cli
+
+    path = os.environ.get("SOAK_PHASE_FILE")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if path else None
+
+    def on_phase(name: str) -> None:
+        if fd is not None:
+            os.pwrite(fd, f"{name:<12}".encode(), 0)
+
+    return cli.cmd_train(cli.parser().parse_args(["train", *argv]), on_phase=on_phase)
 
 
 def restart(out: Path, steps: int) -> list[str]:
@@ -60,7 +75,7 @@ def kill_in(cmd: list[str], phase_file: Path, target: str, rng: random.Random, t
     when the run ended first."""
     phase_file.write_text("")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            env={**os.environ, "DOCUCHAT_RL_PHASE_FILE": str(phase_file)})
+                            env={**os.environ, "SOAK_PHASE_FILE": str(phase_file)})
     deadline = time.time() + timeout
     try:
         while proc.poll() is None and time.time() < deadline:
@@ -145,4 +160,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["child"]:
+        sys.exit(child(sys.argv[2:]))
     main()

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from docuchat_rl.algorithms import GRPO, MISMATCH_THRESHOLD, algorithm_names, get_algorithm_class
-from docuchat_rl.batch import PolicyOutput, build_batch
+from docuchat_rl.batch import build_batch
 from docuchat_rl.config import load_config
+from docuchat_rl.forward import PolicyOutput
 from docuchat_rl.losses import Normalisers, sampler_weights
 
 
@@ -35,6 +36,23 @@ def test_registry_names_and_config_types():
         assert get_algorithm_class(name).config_type.model_fields["name"].default == name
     with pytest.raises(TypeError, match="grpo needs a GRPOConfig, got PPOConfig"):
         GRPO(load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1"]))
+
+
+def test_one_registry_holds_each_name_its_config_and_its_class():
+    from typing import Literal
+
+    from docuchat_rl.algorithm_configs import ALGORITHMS, GRPOConfig
+    from docuchat_rl.algorithms import Algorithm, register_algorithm
+
+    assert {n: c.implementation for n, c in ALGORITHMS.items()} == {n: get_algorithm_class(n) for n in ALGORITHMS}
+    with pytest.raises(ValueError, match="already has a class"):  # a second class for grpo
+        register_algorithm(GRPOConfig)(type("Other", (Algorithm,), {}))
+
+    class Unregistered(GRPOConfig):
+        name: Literal["reinforce"] = "reinforce"
+
+    with pytest.raises(ValueError, match="not the registered config of algorithm 'reinforce'"):
+        register_algorithm(Unregistered)(type("Reinforce", (Algorithm,), {}))
 
 
 def test_grpo_advantages_use_the_batch_groups_and_skip_rows_without_reward():

@@ -93,10 +93,10 @@ def test_bad_files(tmp_path):
 
 
 def test_every_field_is_documented():
-    from docuchat_rl.algorithm_configs import ALGORITHM_CONFIGS
+    from docuchat_rl.algorithm_configs import ALGORITHMS
 
     models = [s.annotation for k, s in Config.model_fields.items() if k != "algorithm"]
-    for model in models + list(ALGORITHM_CONFIGS.values()):
+    for model in models + list(ALGORITHMS.values()):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no doc"
     assert "num_generations = 8  # Completions (G) sampled per prompt" in explain()

@@ -110,14 +110,14 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(tmp_path):
     optimizer step is skipped without touching weights or optimizer state; K in a row stop the run."""
     huge = "rewards=[{name: 'tests.user_rewards:huge', weight: 10.0}, {name: correctness}]"
     t = Trainer(cfg_for(tmp_path / "skip", huge, "run.steps=2", "optim.max_nonfinite_steps=10"))
-    before = {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in t.learner.model.named_parameters() if p.requires_grad}
     history = t.train()
     t.close()
     assert [m["nonfinite_skipped"] for m in history] == [1, 1]
     assert all(m["optimizer_steps"] == 0 and m["loss"] is None for m in history)
-    after = dict(t.model.named_parameters())
+    after = dict(t.learner.model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)  # no weight moved
-    assert not t.optimizer.state_dict()["state"]  # no optimizer state was created
+    assert not t.learner.optimizer.state_dict()["state"]  # no optimizer state was created
     t = Trainer(cfg_for(tmp_path / "stop", huge, "run.steps=5", "optim.max_nonfinite_steps=2",
                         "checkpoint.every=1"))
     with pytest.raises(TrainingError, match=r"step 2: 2 optimizer steps in a row had a non-finite") as e:

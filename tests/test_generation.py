@@ -4,7 +4,8 @@ against transformers' own, and the sliding-window fallback on a real (tiny, rand
 import pytest
 import torch
 
-from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, load_examples, render_prompt
+from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
+from docuchat_rl.data import load_examples, render_prompt
 from docuchat_rl.generation import generate, inverse_cdf, sample, warpers
 
 from .conftest import TASK
@@ -158,7 +159,8 @@ def test_min_new_tokens_gives_fixed_lengths(tiny, engine):
 def test_only_the_configured_processors_shape_the_distribution(tiny, engine):
     """A model's generation_config (Qwen2.5-Instruct ships repetition_penalty and top_k) must not add
     processors: greedy output is the plain argmax path, and the sampler's log-probs are the model's."""
-    from docuchat_rl.batch import build_batch, policy_forward
+    from docuchat_rl.batch import build_batch
+    from docuchat_rl.forward import policy_forward
 
     model, tok = tiny
     prompts = _prompts(tok, 4)

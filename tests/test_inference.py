@@ -110,8 +110,10 @@ def test_export_gives_a_plain_model_equal_to_base_plus_adapter(run, tmp_path, ca
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from docuchat_rl.batch import build_batch, policy_forward
-    from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, load_examples, render_prompt
+    from docuchat_rl.batch import build_batch
+    from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
+    from docuchat_rl.data import load_examples, render_prompt
+    from docuchat_rl.forward import policy_forward
     from docuchat_rl.generation import generate
 
     out_dir, ckpt = run

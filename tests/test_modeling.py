@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from docuchat_rl.config import load_config
-from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, render_prompt
+from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT, load_config
+from docuchat_rl.data import render_prompt
 from docuchat_rl.generation import generate
 from docuchat_rl.modeling import pick_dtype
 

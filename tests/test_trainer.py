@@ -107,7 +107,7 @@ def test_resume_inside_a_mu_cycle_matches_the_uninterrupted_run(tmp_path, extra,
     t.close()
 
     t = Trainer(cfg_for(cut_dir, *opts))
-    calls, real_loss = [0], t.algo.loss
+    calls, real_loss = [0], t.learner.algo.loss
 
     def crashing_loss(*a, **k):  # die inside step 4 (t.step counts completed steps)
         if t.step == 3:
@@ -116,7 +116,7 @@ def test_resume_inside_a_mu_cycle_matches_the_uninterrupted_run(tmp_path, extra,
                 raise Crash
         return real_loss(*a, **k)
 
-    t.algo.loss = crashing_loss
+    t.learner.algo.loss = crashing_loss
     with pytest.raises(Crash):
         t.train()
     t.close()
@@ -243,14 +243,14 @@ def test_separate_critic_adapter_keeps_value_gradients_off_the_policy_adapter(tm
         norm = Normalisers(rows=batch.rows, tokens=float(batch.completion_mask.sum()), max_new_tokens=24)
         grads = {}
         for part in ("value", "policy"):
-            t.optimizer.zero_grad(set_to_none=True)
-            out = t.forward(batch, with_entropy=True)
+            t.learner.optimizer.zero_grad(set_to_none=True)
+            out = t.learner.forward(batch, with_entropy=True)
             if part == "value":
-                loss = t.algo.critic_terms(out, batch, norm, None)[0]
+                loss = t.learner.algo.critic_terms(out, batch, norm, None)[0]
             else:
-                loss = t.algo.policy_loss(out, batch, norm)[0]
+                loss = t.learner.algo.policy_loss(out, batch, norm)[0]
             loss.backward()
-            grads[part] = {n for n, p in t.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+            grads[part] = {n for n, p in t.learner.model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
         t.close()
         assert grads["policy"] and all(".default." in n for n in grads["policy"])
         if backbone == "separate":
@@ -291,8 +291,8 @@ def test_an_under_filled_batch_still_takes_the_configured_optimizer_steps(tmp_pa
     t.advantages(half, Timer())
     m = t.update(half, Timer())
     t.close()
-    assert m["optimizer_steps"] == 4 == t.updates_per_step
-    assert t.scheduler.scheduler.last_epoch == 4  # the schedule moved exactly one step per optimizer step
+    assert m["optimizer_steps"] == 4 == t.learner.updates_per_step
+    assert t.learner.scheduler.scheduler.last_epoch == 4  # the schedule moved exactly one step per optimizer step
 
 
 @pytest.mark.slow

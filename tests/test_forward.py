@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from docuchat_rl.batch import build_batch, policy_forward
-from docuchat_rl.data import DEFAULT_SYSTEM_PROMPT, render_prompt
+from docuchat_rl.batch import build_batch
+from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
+from docuchat_rl.data import render_prompt
+from docuchat_rl.forward import policy_forward
 
 from .conftest import with_lora
 
@@ -118,7 +120,7 @@ def test_shared_prompt_forward_equals_the_plain_forward_values_hidden_and_gradie
 
 
 def test_shared_prompt_forward_skips_itself_when_no_group_repeats(tiny):
-    from docuchat_rl.batch import _shared_prompt_forward
+    from docuchat_rl.forward import _shared_prompt_forward
 
     model, tok = tiny
     assert _shared_prompt_forward(model, _group_batch(tok, [0, 1, 2]), False) is None

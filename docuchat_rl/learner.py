@@ -1,0 +1,206 @@
+"""The learner: every forward and backward over a step's batch, and the optimizer steps.
+
+Before the update it runs the no-grad passes the algorithm asks for (`Algorithm.needs`): the policy's
+log-probs and the critic's values at rollout time in one forward, the reference model's log-probs in
+another (the adapter disabled). The update then runs `num_iterations` passes of a fixed number of
+minibatches, each accumulated over micro-batches, its gradients summed over processes, clipped and
+applied; a non-finite step is skipped (`optim.max_nonfinite_steps` in a row stop the run). Metrics are
+combined over micro-batches and processes by `MetricAccumulator`, with each metric's own reduction.
+
+Under FSDP2 every forward through the sharded layers is a collective, so a process with fewer
+micro-batches runs placeholder rows that train nothing (`micro_batches`).
+
+Deliberately left out: gradient accumulation across rollouts and asynchronous (off-policy) updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from .algorithms import Algorithm
+from .batch import Batch
+from .config import Config
+from .distributed import Dist
+from .errors import TrainingError
+from .forward import PolicyOutput, policy_forward
+from .losses import Normalisers
+from .modeling import CRITIC_ADAPTER, active_adapter
+
+
+class MetricAccumulator:
+    """Loss metrics over a step's micro-batches and processes: a token-weighted mean unless the
+    algorithm names another reduction ("max") for the metric."""
+
+    def __init__(self, reductions: dict[str, str]):
+        self.reductions = reductions
+        self.sums: dict[str, float] = defaultdict(float)
+        self.maxima: dict[str, float] = {}
+        self.weight = 0.0
+
+    def add(self, metrics: dict[str, float], weight: float) -> None:
+        """One micro-batch's metrics; `weight` is its number of completion tokens."""
+        for k, v in metrics.items():
+            if self.reductions.get(k) == "max":
+                self.maxima[k] = max(self.maxima.get(k, v), v)
+            else:
+                self.sums[k] += v * weight
+        self.weight += weight
+
+    def result(self, dist: Dist) -> dict[str, float]:
+        """Every process's metrics combined (the union of their keys: a process may have had no rows)."""
+        keys = sorted(set(dist.gather(list(self.sums))))
+        packed = dist.sum(torch.tensor([self.weight] + [self.sums[k] for k in keys], dtype=torch.float64)).tolist()
+        out = {k: v / max(packed[0], 1.0) for k, v in zip(keys, packed[1:])}
+        mkeys = sorted(set(dist.gather(list(self.maxima))))
+        if mkeys:
+            top = torch.tensor([self.maxima.get(k, -math.inf) for k in mkeys], dtype=torch.float64)
+            out.update(zip(mkeys, dist.max(top).tolist()))
+        return out
+
+
+class Learner:
+    """The trainable side of a run: the peft model (and the algorithm's critic), the optimizer and the
+    schedule; it scores batches and updates the adapter."""
+
+    def __init__(self, cfg: Config, model, algo: Algorithm, params: list[torch.nn.Parameter], optimizer, scheduler,
+                 accelerator, dist: Dist, pad_id: int, logit_chunk: int, sharded: bool, nonfinite_streak: int = 0):
+        self.cfg, self.model, self.algo, self.params = cfg, model, algo, params
+        self.optimizer, self.scheduler, self.accelerator, self.dist = optimizer, scheduler, accelerator, dist
+        self.pad_id, self.logit_chunk, self.sharded = pad_id, logit_chunk, sharded
+        self.separate_critic = algo.critic is not None and getattr(cfg.algorithm, "critic_backbone", "") == "separate"
+        self.n_minibatches = cfg.rollout.batch_rows // cfg.minibatch_rows
+        self.updates_per_step = cfg.algorithm.num_iterations * self.n_minibatches
+        self.nonfinite_streak = nonfinite_streak  # optimizer steps skipped in a row (checkpointed)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, mb: Batch, with_critic: bool = True, **kw) -> PolicyOutput:
+        """policy_forward with the run's settings, plus (`with_critic`, when the algorithm has a critic) the
+        hidden states the critic reads: the same forward's (shared backbone) or a second forward through
+        the critic's own adapter (separate backbone)."""
+        critic = with_critic and self.algo.critic is not None
+        # (sharded: no shared-prompt forward, whose number of model calls depends on the rows)
+        kw.update(temperature=self.cfg.rollout.temperature, logit_chunk=self.logit_chunk,
+                  share_prompt=self.cfg.optim.share_prompt and not self.sharded)
+        out = policy_forward(self.model, mb, with_hidden=critic and not self.separate_critic, **kw)
+        if critic and self.separate_critic:
+            with active_adapter(self.model, CRITIC_ADAPTER, self.params):
+                out.hidden = policy_forward(self.model, mb, with_hidden=True, **kw).hidden  # [r, T, H]
+        return out
+
+    def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[tuple[torch.Tensor | None, Batch]]:
+        """(row indices, micro-batch) for `rows` of `batch`; when sharded, padded with (None, a placeholder
+        row that trains nothing) to the count of the process with the most, since each forward through the
+        sharded layers is a collective."""
+        chunks = list(rows.split(self.cfg.optim.micro_batch_size)) if len(rows) else []
+        out: list[tuple[torch.Tensor | None, Batch]] = [(r, batch.select(r)) for r in chunks]
+        missing = self.dist.steps(len(chunks)) - len(chunks) if self.sharded else 0
+        if missing:
+            out += [(None, batch.placeholder(self.pad_id))] * missing
+        return out
+
+    # ---------------------------------------------------------------- the no-grad passes
+    def score_rollout(self, batch: Batch) -> None:
+        """Fill what the algorithm needs before its advantages and update: batch.old_logps and
+        batch.values from one forward with the adapter, batch.ref_logps from one without it."""
+        needs = self.algo.needs()
+        if needs.old_logps or needs.values:
+            logps, values = self._pass(batch, values=needs.values)
+            batch.old_logps = logps if needs.old_logps else None
+            batch.values = values
+        if needs.ref_logps:
+            batch.ref_logps = self._pass(batch, values=False, reference=True)[0]
+
+    def _pass(self, batch: Batch, values: bool, reference: bool = False):
+        """One no-grad pass over the batch, micro-batch by micro-batch -> (log-probs [R, T], values [R, T]
+        masked to the completion, or None)."""
+        logps = torch.zeros_like(batch.completion_mask)  # [R, T]
+        vals = torch.zeros_like(batch.completion_mask)  # [R, T]
+        ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            for rows, mb in self.micro_batches(batch, torch.arange(batch.rows)):
+                out = self.forward(mb, with_critic=values)
+                if rows is None:  # (sharded: a placeholder, run to join the other processes' forward)
+                    continue
+                logps[rows, :out.logps.shape[1]] = out.logps
+                if values:
+                    vals[rows, :out.logps.shape[1]] = self.algo.values(out.hidden)
+        return logps, (vals * batch.completion_mask if values else None)
+
+    # ---------------------------------------------------------------- the update
+    def minibatches(self, batch: Batch, global_groups: list[int] | None = None) -> list[torch.Tensor]:
+        """The rows of each of the step's `n_minibatches` minibatches: group g (its step-wide index,
+        `global_groups[batch.group]`) goes to minibatch g mod n. The same groups make up a minibatch whatever
+        the number of processes, every process gets its share of each, and an under-filled batch still
+        makes n minibatches."""
+        g = batch.group if global_groups is None else torch.tensor(global_groups, dtype=torch.long,
+                                                                    device=batch.group.device)[batch.group]  # [R]
+        return [torch.nonzero(g % self.n_minibatches == k).squeeze(-1) for k in range(self.n_minibatches)]
+
+    def update(self, batch: Batch, step: int, global_groups: list[int] | None = None) -> dict[str, float]:
+        """`num_iterations` passes of a fixed number of optimizer steps over the batch (an under-filled
+        batch still makes as many minibatches, so the schedule never changes pace); -> the step's metrics.
+        Each minibatch's loss is normalised by its rows and tokens on all processes, and the gradients are
+        summed across them before the step."""
+        acc = MetricAccumulator(self.algo.metric_reductions)
+        grad_norms, losses, skipped = [], [], 0
+        self.model.train()
+        for _ in range(self.cfg.algorithm.num_iterations):
+            for mb_rows in self.minibatches(batch, global_groups):
+                total, n_rows = self._accumulate(batch, mb_rows, acc)
+                grad_norm = self._step(total, n_rows, step)
+                if grad_norm is None:
+                    skipped += 1
+                else:
+                    grad_norms.append(grad_norm)
+                    losses.append(total)
+        out = acc.result(self.dist)
+        out.update(loss=float(np.mean(losses)) if losses else None,
+                   grad_norm=float(np.mean(grad_norms)) if grad_norms else None,
+                   lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses), nonfinite_skipped=skipped)
+        return out
+
+    def _accumulate(self, batch: Batch, mb_rows: torch.Tensor, acc: MetricAccumulator) -> tuple[float, float]:
+        """Forward and backward over one minibatch's micro-batches -> (its loss summed over processes,
+        its rows on all processes)."""
+        dist, cfg = self.dist, self.cfg
+        mask = batch.completion_mask[mb_rows]
+        n_rows, tokens = dist.sum(torch.tensor([float(len(mb_rows)), float(mask.sum())])).tolist()
+        norm = Normalisers(rows=max(int(n_rows), 1), tokens=tokens, max_new_tokens=cfg.rollout.max_new_tokens)
+        total = 0.0
+        for rows, mb in self.micro_batches(batch, mb_rows):
+            out = self.forward(mb, with_entropy=True, entropy_grad=self.algo.entropy_grad)
+            loss, m = self.algo.loss(out, mb, norm)
+            if rows is None:  # sharded: join the other processes' forward and backward, add nothing
+                self.accelerator.backward(loss * 0.0)
+                continue
+            self.accelerator.backward(loss)
+            total += float(loss.detach())
+            acc.add(m, float(mb.completion_mask.sum()))
+        if n_rows:  # (a minibatch with no rows on any process leaves every gradient None, as on one)
+            dist.sum_grads(self.params)
+        return float(dist.sum(torch.tensor([total], dtype=torch.float64))), n_rows
+
+    def _step(self, total: float, n_rows: float, step: int) -> float | None:
+        """Clip and apply the summed gradients -> the gradient norm, or None when the loss or the norm is
+        not finite (no weight or optimizer-state change; the schedule keeps its pace)."""
+        cfg = self.cfg.optim
+        grad_norm = float(self.accelerator.clip_grad_norm_(self.params, cfg.max_grad_norm or float("inf")))
+        applied = math.isfinite(grad_norm) and math.isfinite(total)
+        if applied:
+            self.optimizer.step()
+            self.nonfinite_streak = 0
+        else:
+            self.nonfinite_streak += 1
+            if self.nonfinite_streak >= cfg.max_nonfinite_steps:
+                raise TrainingError(
+                    f"step {step}: {self.nonfinite_streak} optimizer steps in a row had a non-finite loss "
+                    f"({total}) or gradient norm ({grad_norm}); stopped (the last checkpoint is intact; "
+                    f"optim.max_nonfinite_steps is {cfg.max_nonfinite_steps})")
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm if applied else None

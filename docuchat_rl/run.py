@@ -1,0 +1,293 @@
+"""Run set-up: everything a training run holds before its first step, built in one call, `start_run`.
+
+In order: the launch (accelerate's processes, FSDP2 from the launcher's config, refusals of what the
+trainer cannot honour), the output folder (writable, locked, empty or overwritten; every process fails
+if one does), the model with its LoRA adapter and the algorithm's critic, the optimizer and schedule,
+the training rows and their length checks, the composite reward, the resumed state (adapter, critic,
+optimizer, schedule, random states, data position, output offsets), the output writers and wandb.
+The result is a typed `Run` that the loop (trainer.py) reads.
+
+Deliberately left out: model preparation by accelerate (no DDP or accelerate-FSDP wrapping: gradients
+are summed by hand and FSDP2 is applied by `distributed.shard_layers`; see distributed.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rewards import CompositeReward
+
+from .algorithms import Algorithm, get_algorithm_class
+from .checkpoint import TrainerState, load_training_state, resolve_resume
+from .config import Config
+from .data import DataError, Example, PromptSampler, load_split, render_prompt
+from .distributed import (Dist, Sharding, ShardingError, held_bytes, on_cpu, shard_layers, sharding_from_launcher,
+                          without_fsdp_env)
+from .errors import CheckpointWarning, TrainingError
+from .learner import Learner
+from .modeling import add_critic_adapter, build_lora, disable_dropout, load_model_and_tokenizer
+from .outputs import JsonlWriter, RunLock, check_writable, claim_output_dir
+from .rollout import Collector
+from .scoring import build_reward
+
+
+@dataclass
+class Outputs:
+    """The run's append-only files, open on the main process only (None elsewhere)."""
+
+    traces: JsonlWriter | None
+    metrics: JsonlWriter | None
+    evals: JsonlWriter | None
+
+    @classmethod
+    def open(cls, out_dir: Path, main: bool, offsets: dict[str, int]) -> Outputs:
+        """The writers, each file cut back to its checkpointed offset (a resume), on the main process."""
+        if not main:
+            return cls(None, None, None)
+        return cls(*(JsonlWriter(out_dir / f"{name}.jsonl", offsets.get(key))
+                     for name, key in (("traces", "traces"), ("metrics", "metrics"), ("eval", "evals"))))
+
+    def offsets(self) -> dict[str, int]:
+        """Each file's size now (what a checkpoint records), or {} off the main process."""
+        if self.traces is None:
+            return {}
+        return {"traces": self.traces.offset, "metrics": self.metrics.offset, "evals": self.evals.offset}
+
+    def close(self) -> None:
+        for writer in (self.traces, self.metrics, self.evals):
+            if writer is not None:
+                writer.close()
+
+
+@dataclass
+class Placement:
+    """Where the model runs: the processes, and under FSDP2 the sharded layers and how generation sees them."""
+
+    accelerator: object  # accelerate.Accelerator (optimizer/scheduler/RNG state saving, backward, clipping)
+    dist: Dist
+    sharding: Sharding | None  # the launcher's FSDP2 request (None: plain data-parallel)
+    sharded_layers: list[torch.nn.Module]  # the decoder layers fully_shard split across processes
+    gather_for_generation: list[torch.nn.Module]  # layers gathered whole for rollout and evaluation
+    lockstep: object  # sharded generation: Dist.any, so every process decodes as long as any does; else None
+
+
+@dataclass
+class Run:
+    """A started run: what the loop reads and what it must release (`close`)."""
+
+    cfg: Config
+    out_dir: Path
+    place: Placement
+    tokenizer: object
+    learner: Learner
+    collector: Collector
+    reward: CompositeReward
+    examples: list[Example]
+    state: TrainerState  # the step to continue from (0 for a fresh run), run id, data position, offsets
+    outputs: Outputs
+    wandb: object  # a wandb run, or None
+    lock: RunLock | None  # the output folder's lock (main process)
+
+    def close(self) -> None:
+        """Close the files and wandb, release the folder."""
+        self.outputs.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.lock is not None:
+            self.lock.release()
+
+
+def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | None = None) -> Run:
+    """Set up a run (see the module docstring); on any failure nothing stays held (the folder's lock)."""
+    out_dir = Path(cfg.run.output_dir)
+    resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
+    place = _launch(cfg)
+    lock = None
+    try:
+        lock = _agree(place.dist, _claim, out_dir, cfg.run.overwrite, resume_dir, place.dist.is_main)
+        return _build(cfg, out_dir, place, resume_dir, examples, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _launch(cfg: Config) -> Placement:
+    """The processes the launcher started (one without a launcher) and the FSDP2 request, refused by name
+    where the trainer cannot honour it."""
+    from accelerate import Accelerator
+
+    try:
+        sharding = sharding_from_launcher()
+    except ShardingError as e:
+        raise TrainingError(str(e)) from None
+    with without_fsdp_env():
+        accelerator = Accelerator(cpu=on_cpu(cfg.model.device), step_scheduler_with_optimizer=False)
+    if accelerator.mixed_precision != "no":  # (it would be ignored: the model is not prepared)
+        raise TrainingError(f"the accelerate config's mixed_precision ({accelerator.mixed_precision}) is not "
+                            "used by docuchat-rl, whose model runs in model.dtype: set model.dtype (bfloat16) "
+                            "instead and mixed_precision: 'no'")
+    if cfg.rollout.sharded_generation and not sharding:
+        raise TrainingError("rollout.sharded_generation applies only to runs sharded by an FSDP accelerate "
+                            "config (accelerate launch --config_file config/accelerate/fsdp2.yaml)")
+    return Placement(accelerator, Dist.from_accelerator(accelerator), sharding, [], [], None)
+
+
+def _agree(dist: Dist, fn, *args):
+    """`fn(*args)` (which may fail on one process only, e.g. the main one's folder checks), failing on every
+    process if it failed on any, so that none is left waiting in a collective."""
+    error, result = None, None
+    try:
+        result = fn(*args)
+    except (RuntimeError, ValueError) as e:
+        error = str(e)
+    if int(dist.max(torch.tensor([float(error is not None)]))):
+        if result is not None:
+            result.release()
+        raise TrainingError(error or "the main process could not start the run (see its error)")
+    return result
+
+
+def _claim(out_dir: Path, overwrite: bool, resume_dir: Path | None, main: bool) -> RunLock | None:
+    """The output folder is writable, locked by this run, and (a new run) empty or overwritable."""
+    check_writable(out_dir)
+    if not main:
+        return None
+    lock = RunLock(out_dir)
+    try:
+        if resume_dir is None:
+            claim_output_dir(out_dir, overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example] | None,
+           lock: RunLock | None) -> Run:
+    """Everything after the launch and the folder claim (see the module docstring)."""
+    from transformers import set_seed
+
+    dist = place.dist
+    if cfg.logging.wandb:
+        try:
+            import wandb  # noqa: F401  (fail before loading anything)
+        except ImportError:
+            raise TrainingError("logging.wandb is on but wandb is not installed: pip install "
+                                "'docuchat-rl[wandb]'") from None
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    set_seed(cfg.run.seed)
+    if cfg.rollout.prompts_per_step % dist.world:
+        raise TrainingError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the "
+                            f"number of processes ({dist.world}): each process samples whole groups")
+    model, tokenizer, algo, params = _model(cfg, place)
+    opt, sched = _optimizer(params, cfg, cfg.run.steps * cfg.algorithm.num_iterations
+                            * (cfg.rollout.batch_rows // cfg.minibatch_rows))
+    # the model is not wrapped (no DDP): gradients are summed across processes per minibatch (distributed.py)
+    optimizer, scheduler = place.accelerator.prepare(opt, sched)
+    # accelerate saves optimizer, scheduler and RNG states; the adapter is saved by peft instead
+    place.accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
+    place.accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
+
+    examples = examples if examples is not None else load_split(cfg.data, "train")
+    if not examples:
+        raise DataError(f"{cfg.data.train}: no training rows")
+    prompt_texts = [render_prompt(tokenizer, e.question, cfg.data.system_prompt) for e in examples]
+    _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
+    reward = build_reward(cfg.rewards)
+    state = TrainerState(step=0, run_id=dist.gather([uuid.uuid4().hex[:12]])[0])  # the main process's id
+    if resume_dir:
+        state = load_training_state(resume_dir, model=model, critic=algo.critic, accelerator=place.accelerator,
+                                    separate_critic=algo.critic is not None
+                                    and cfg.algorithm.critic_backbone == "separate")
+        if state.world_size != dist.world and dist.is_main:
+            warnings.warn(f"{resume_dir.name} was written by {state.world_size} "
+                          f"process{'es' * (state.world_size != 1)} and resumes on {dist.world}: the run goes on, "
+                          "but not bit-exactly (sums run in another order)", CheckpointWarning, stacklevel=3)
+    sampler = PromptSampler(len(examples), cfg.run.seed, **state.sampler)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
+    learner = Learner(cfg, model, algo, params, optimizer, scheduler, place.accelerator, dist,
+                      tokenizer.pad_token_id, chunk, bool(place.sharded_layers), state.nonfinite_streak)
+    collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
+                          place.lockstep)
+    wandb_run = None
+    if cfg.logging.wandb and dist.is_main:
+        import wandb
+
+        wandb_run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode, dir=str(out_dir),
+                               config=cfg.to_dict(), id=state.run_id, resume="allow")
+    return Run(cfg, out_dir, place, tokenizer, learner, collector, reward, examples, state,
+               Outputs.open(out_dir, dist.is_main, state.offsets), wandb_run, lock)
+
+
+def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algorithm, list[torch.nn.Parameter]]:
+    """(the peft model, tokenizer, algorithm, trainable parameters): the base model with dropout off, the
+    policy's LoRA adapter, the algorithm's critic (and its own adapter when separate); under FSDP2 the
+    decoder layers sharded and `place` told how generation sees them."""
+    dist = place.dist
+    model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype, str(dist.device),
+                                                cfg.model.trust_remote_code, cfg.model.revision)
+    if cfg.model.disable_dropout:
+        disable_dropout(model)
+    hidden = model.config.hidden_size
+    model = build_lora(model, cfg.lora)
+    algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden, dist.sum)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if algo.critic is not None:
+        algo.critic.to(dist.device)
+        if cfg.algorithm.critic_backbone == "separate":
+            add_critic_adapter(model, cfg.lora)
+            params = [p for p in model.parameters() if p.requires_grad]
+        params += list(algo.critic.parameters())
+    if place.sharding:  # the decoder layers' frozen weights split across processes; trainable ones stay whole
+        place.sharded_layers = shard_layers(model, place.sharding)
+        if cfg.rollout.sharded_generation:  # decode on the sharded weights, every process in lockstep
+            place.lockstep = dist.any
+        else:
+            place.gather_for_generation = place.sharded_layers
+        if dist.is_main:
+            mine, whole = held_bytes(model)
+            layer = type(place.sharded_layers[0]).__name__.removeprefix("FSDP")  # (fully_shard renames the class)
+            print(f"docuchat-rl: FSDP2 over {len(place.sharded_layers)} {layer} modules on {dist.world} "
+                  f"processes: each holds {mine / 2**20:.1f} MB of the model's {whole / 2**20:.1f} MB of parameters",
+                  file=sys.stderr, flush=True)
+    return model, tokenizer, algo, params
+
+
+def _optimizer(params, cfg: Config, total_updates: int):
+    """The configured optimizer over `params` and transformers' schedule over `total_updates` steps."""
+    from transformers import get_scheduler
+
+    o = cfg.optim
+    if o.name == "adamw":
+        opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    else:
+        opt = torch.optim.RMSprop(params, lr=o.lr, alpha=o.alpha, eps=o.eps, weight_decay=o.weight_decay)
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[o.schedule]
+    sched = get_scheduler(name, opt, num_warmup_steps=o.warmup_steps, num_training_steps=total_updates)
+    return opt, sched
+
+
+def _check_lengths(cfg: Config, tokenizer, examples: list[Example], prompt_texts: list[str],
+                   context_len: int | None) -> None:
+    """Every prompt fits data.max_prompt_tokens and, with rollout.max_new_tokens, the model's context."""
+    limit = cfg.data.max_prompt_tokens
+    budget = None if context_len is None else context_len - cfg.rollout.max_new_tokens
+    if budget is not None and budget < 1:
+        raise TrainingError(f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}) leaves no room "
+                            f"for a prompt in the model's context of {context_len} tokens")
+    lengths = [len(x) for x in tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]]
+    for i, n in enumerate(lengths):
+        if n > limit or (budget is not None and n > budget):
+            raise TrainingError(
+                f"{cfg.data.train}: row {examples[i].prompt_id} has a prompt of {n} tokens; "
+                f"data.max_prompt_tokens is {limit} and the model's context leaves {budget} after "
+                f"rollout.max_new_tokens; shorten it, filter the data, or raise the limit")

@@ -1,0 +1,121 @@
+"""The trace contract: one `TraceRecord` per sampled completion, written to `traces.jsonl`.
+
+This module is the one definition of a trace: its fields with their types (the audit's DuckDB columns)
+and docs (the README's schema table, `schema_table()`), the builder of the fields a completion has
+wherever it was sampled (`completion_fields`: training traces and `docuchat-rl generate` records), and
+the metrics a step's records give (`step_metrics`, `reward_means`: the metrics record and evaluation
+compute reward means the same way). Torch-free.
+
+Deliberately left out: a binary trace format (Parquet, Arrow); JSON lines stay readable with `head`
+and appendable with a crash-safe write.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from rewards.composite import RewardRecord
+
+    from .data import Example
+
+
+def _f(sql: str, doc: str, default: Any = MISSING) -> Any:
+    """A trace field with its DuckDB type and its one-line doc (the README schema table)."""
+    return field(default=default, metadata={"sql": sql, "doc": doc})
+
+
+@dataclass
+class TraceRecord:
+    """One completion of a training step: what was sampled, how each reward scored it, what it trained."""
+
+    run_id: str = _f("VARCHAR", "the run (kept across resumes)")
+    step: int = _f("BIGINT", "training step")
+    prompt_id: int = _f("BIGINT", "row of the training file")
+    group: int | None = _f("BIGINT", "group index within the step (null when dynamic sampling dropped the group)")
+    sample: int = _f("BIGINT", "index within the group")
+    used: bool = _f("BOOLEAN", "false when the group was dropped by dynamic sampling (traced, not trained on)")
+    prompt: str = _f("VARCHAR", "the question")
+    completion: str = _f("VARCHAR", "the decoded completion")
+    gold: str | None = _f("VARCHAR", "the gold final answer")
+    completion_tokens: int = _f("BIGINT", "completion length in tokens")
+    truncated: bool = _f("BOOLEAN", "true when no EOS came within max_new_tokens")
+    rewards: dict[str, dict] = _f("STRUCT", "`{name: {raw, weight, weighted, info, error}}` per component")
+    total: float = _f("DOUBLE", "the weighted total of the components that had a value")
+    total_missing: bool = _f("BOOLEAN", "true when no component had a value (then the row is out of its "
+                                        "group's baseline and its advantage is 0)")
+    algorithm: dict[str, float | None] = field(default_factory=dict)  # the algorithm's per-row values
+    # (Algorithm.trace_fields: ALGORITHM_FIELDS below), None on rows not trained on; flattened into the JSON
+
+    def to_json(self) -> dict:
+        """The JSON line: the fields above, the algorithm's values at the top level."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "algorithm"}
+        out.update(self.algorithm)
+        return out
+
+
+ALGORITHM_FIELDS = {  # what Algorithm.trace_fields may give: name -> (DuckDB type, doc)
+    "advantage": ("DOUBLE", "the completion's advantage (mean over its tokens); null when not used"),
+    "value": ("DOUBLE", "PPO and A2C only: the critic's value of the prompt; null when not used"),
+}
+
+
+def _schema() -> list[tuple[str, str, str]]:
+    """(name, DuckDB type, doc) of every field of a trace line, in order."""
+    own = [(f.name, f.metadata["sql"], f.metadata["doc"]) for f in fields(TraceRecord) if f.name != "algorithm"]
+    return own + [(name, sql, doc) for name, (sql, doc) in ALGORITHM_FIELDS.items()]
+
+
+def columns() -> dict[str, str]:
+    """Every scalar trace field -> its DuckDB type (the reward components become STRUCT columns apart)."""
+    return {name: sql for name, sql, _ in _schema() if sql != "STRUCT"}
+
+
+def schema_table() -> str:
+    """The README's trace schema table, from the fields' docs."""
+    rows = ["| field | type | meaning |", "|---|---|---|"]
+    rows += [f"| `{name}` | {sql.lower()} | {doc} |" for name, sql, doc in _schema()]
+    return "\n".join(rows)
+
+
+def completion_fields(example: Example, sample: int, text: str, tokens: int, truncated: bool,
+                      reward: RewardRecord | None) -> dict[str, Any]:
+    """The fields every record of a sampled completion has, trained on or only generated (the reward's
+    fields only when it was scored)."""
+    out: dict[str, Any] = {"prompt_id": example.prompt_id, "sample": sample, "prompt": example.question,
+                           "completion": text, "gold": example.answer or None, "completion_tokens": tokens,
+                           "truncated": truncated}
+    if reward is not None:
+        out.update(rewards={k: c.as_dict() for k, c in reward.components.items()}, total=reward.total,
+                   total_missing=reward.total_missing)
+    return out
+
+
+def reward_means(raws: list[dict[str, float | None]], names: list[str]) -> dict[str, float | None]:
+    """Each component's mean raw score over the completions that had a value (None when none had)."""
+    out = {}
+    for name in names:
+        values = [r[name] for r in raws if r.get(name) is not None]
+        out[name] = float(np.mean(values)) if values else None
+    return out
+
+
+def step_metrics(records: list[TraceRecord], names: list[str], accuracy_component: str | None) -> dict[str, Any]:
+    """What a step's trace records say: reward mean/std, each component's mean and error count, accuracy
+    (the accuracy component's mean), lengths, the truncated share and the rows without a reward."""
+    totals = np.array([r.total for r in records])
+    lengths = np.array([r.completion_tokens for r in records])
+    means = reward_means([{k: v["raw"] for k, v in r.rewards.items()} for r in records], names)
+    m: dict[str, Any] = {"reward/mean": float(totals.mean()), "reward/std": float(totals.std())}
+    for name in names:
+        m[f"rewards/{name}/mean"] = means[name]
+        m[f"rewards/{name}/errors"] = sum(r.rewards[name]["error"] is not None for r in records)
+    if accuracy_component in names:
+        m["accuracy"] = means[accuracy_component]
+    m.update({"completion_len/mean": float(lengths.mean()), "completion_len/max": int(lengths.max()),
+              "truncated_frac": float(np.mean([r.truncated for r in records])),
+              "reward_missing": sum(r.total_missing for r in records)})
+    return m

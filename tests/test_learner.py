@@ -1,0 +1,40 @@
+"""The learner's pieces that need no model: each metric's reduction over micro-batches, and which
+no-grad passes each algorithm asks the learner for."""
+
+import pytest
+
+from docuchat_rl.algorithms import get_algorithm_class
+from docuchat_rl.config import load_config
+from docuchat_rl.distributed import Dist
+from docuchat_rl.learner import MetricAccumulator
+
+
+def test_metrics_are_token_weighted_means_unless_the_algorithm_names_a_max():
+    acc = MetricAccumulator({"sampler/mismatch_max": "max"})
+    acc.add({"clip_low": 0.5, "sampler/mismatch_max": 0.25}, weight=3.0)
+    acc.add({"clip_low": 0.0, "sampler/mismatch_max": 0.75}, weight=1.0)
+    out = acc.result(Dist())
+    assert out["clip_low"] == pytest.approx((0.5 * 3 + 0.0 * 1) / 4)
+    assert out["sampler/mismatch_max"] == 0.75  # a maximum, not a mean (which would be 0.375)
+
+
+def test_a_metric_named_max_is_averaged_unless_declared():
+    acc = MetricAccumulator({})
+    acc.add({"value_max": 1.0}, 1.0)
+    acc.add({"value_max": 3.0}, 1.0)
+    assert acc.result(Dist())["value_max"] == 2.0  # the reduction comes from the declaration, not the name
+
+
+@pytest.mark.parametrize("sets, old, ref, values", [
+    ([], False, False, False),  # GRPO, mu 1, one minibatch: the ratio is 1, no pass at all
+    (["algorithm.num_iterations=2"], True, False, False),
+    (["optim.minibatch_size=32"], True, False, False),  # the policy moves before the second minibatch
+    (["algorithm.beta=0.04"], False, True, False),
+    (["algorithm.name=ppo"], False, False, True),
+    (["algorithm.name=ppo", "algorithm.beta=0.1", "algorithm.kl_in_reward=true"], True, True, True),
+    (["algorithm.name=a2c", "algorithm.beta=0.1"], False, True, True),
+])
+def test_each_algorithm_asks_for_the_passes_it_reads(sets, old, ref, values):
+    cfg = load_config(None, sets)
+    needs = get_algorithm_class(cfg.algorithm.name)(cfg, 8).needs()
+    assert (needs.old_logps, needs.ref_logps, needs.values) == (old, ref, values)
