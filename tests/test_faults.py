@@ -129,12 +129,12 @@ def test_non_finite_steps_are_skipped_counted_and_bounded(tmp_path):
 
 @pytest.mark.parametrize("where", ["/proc/docuchat-rl-run", "file"])
 def test_an_unusable_output_folder_fails_before_the_model_loads(tmp_path, where, monkeypatch):
-    import docuchat_rl.trainer as trainer_mod
+    import docuchat_rl.run as run_mod
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(trainer_mod, "load_model_and_tokenizer", no_load)
+    monkeypatch.setattr(run_mod, "load_model_and_tokenizer", no_load)
     if where == "file":  # a parent that is a file: cannot be created
         (tmp_path / "a-file").write_text("x")
         where = str(tmp_path / "a-file" / "run")
