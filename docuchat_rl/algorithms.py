@@ -125,18 +125,19 @@ class Algorithm:
 
     def sampler_correction(self, trainer_logps: torch.Tensor, mb: Batch) -> tuple[torch.Tensor | None, dict]:
         """The sampler/trainer mismatch metrics and, with `rollout.correction`, the importance weights
-        [r, T] (None when off). `trainer_logps` are the trainer's log-probs under the rollout policy."""
+        [r, T] (None when off). `trainer_logps` are the trainer's log-probs under the rollout policy.
+        Metrics are 0-dim tensors (the learner reads them back once per step)."""
         r, mask = self.cfg.rollout, mb.completion_mask
         diff = (trainer_logps.detach() - mb.sampler_logps).abs() * mask  # [r, T]
-        metrics = {"sampler/mismatch_mean": float(masked_mean(diff, mask)),
-                   "sampler/mismatch_max": float(diff.max()) if diff.numel() else 0.0,
-                   "sampler/mismatch_share": float(masked_mean((diff > MISMATCH_THRESHOLD).float(), mask))}
+        metrics = {"sampler/mismatch_mean": masked_mean(diff, mask).detach(),
+                   "sampler/mismatch_max": diff.max() if diff.numel() else diff.new_zeros(()),
+                   "sampler/mismatch_share": masked_mean((diff > MISMATCH_THRESHOLD).float(), mask).detach()}
         if r.correction == "none":
             return None, metrics
         w, capped = sampler_weights(trainer_logps, mb.sampler_logps, mask, r.correction, r.correction_min,
                                     r.correction_max)
-        metrics["sampler/capped_share"] = float(masked_mean(capped.float(), mask))
-        metrics["sampler/weight_mean"] = float(masked_mean(w, mask))
+        metrics["sampler/capped_share"] = masked_mean(capped.float(), mask).detach()
+        metrics["sampler/weight_mean"] = masked_mean(w, mask).detach()
         return w, metrics
 
     def trace_fields(self, batch: Batch) -> dict[str, list]:
@@ -156,7 +157,7 @@ class Algorithm:
         if not self.kl_loss:
             return per_token
         kl = k3_kl(out.logps, mb.ref_logps)  # [r, T]
-        metrics["kl"] = float(masked_mean(kl.detach(), mb.completion_mask))
+        metrics["kl"] = masked_mean(kl.detach(), mb.completion_mask).detach()
         return per_token + self.cfg.algorithm.beta * kl
 
     def policy_loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
@@ -171,11 +172,11 @@ class Algorithm:
         per_token = self.kl_term(out, mb, per_token, metrics)
         loss = aggregate(per_token, mask, a.loss_aggregation, norm)
         with torch.no_grad():
-            metrics["clip_low"] = float(masked_mean(low.float(), mask))
-            metrics["clip_high"] = float(masked_mean(high.float(), mask))
-            metrics["approx_kl_old"] = float(masked_mean(k3_kl(old, out.logps), mask))  # (rho - 1) - log rho
+            metrics["clip_low"] = masked_mean(low.float(), mask).detach()
+            metrics["clip_high"] = masked_mean(high.float(), mask).detach()
+            metrics["approx_kl_old"] = masked_mean(k3_kl(old, out.logps), mask).detach()  # (rho - 1) - log rho
             if out.entropy is not None:
-                metrics["entropy"] = float(masked_mean(out.entropy, mask))
+                metrics["entropy"] = masked_mean(out.entropy, mask).detach()
         return loss, metrics
 
 
@@ -271,7 +272,7 @@ class ActorCritic(Algorithm):
         total = a.vf_coef * aggregate(per_token, mask, a.loss_aggregation, norm)
         if a.ent_coef > 0:
             total = total - a.ent_coef * aggregate(out.entropy, mask, a.loss_aggregation, norm)
-        return total, {"value_loss": float(masked_mean(per_token.detach(), mask))}
+        return total, {"value_loss": masked_mean(per_token.detach(), mask).detach()}
 
     def trace_fields(self, batch: Batch) -> dict[str, list]:
         fields = super().trace_fields(batch)
@@ -318,5 +319,5 @@ class A2C(ActorCritic):
         critic, cm = self.critic_terms(out, mb, norm, None)
         metrics.update(cm)
         if out.entropy is not None:
-            metrics["entropy"] = float(masked_mean(out.entropy.detach(), mask))
+            metrics["entropy"] = masked_mean(out.entropy.detach(), mask).detach()
         return policy + critic, metrics

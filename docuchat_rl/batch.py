@@ -17,6 +17,19 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 
+@dataclass(frozen=True)
+class RowInfo:
+    """What the host knows of each row without reading the device: lengths and groups (set when the batch
+    is built, carried through `select`), so slicing and trimming micro-batches never wait for a GPU."""
+
+    prompt_lens: tuple[int, ...]  # prompt tokens of each row
+    completion_lens: tuple[int, ...]  # completion tokens of each row
+    groups: tuple[int, ...]  # each row's group (the values of Batch.group)
+
+    def take(self, rows: list[int]) -> RowInfo:
+        return RowInfo(*(tuple(v[r] for r in rows) for v in (self.prompt_lens, self.completion_lens, self.groups)))
+
+
 @dataclass
 class Batch:
     """One process's rows of a step: token ids and masks, rewards and groups, and the per-token tensors
@@ -30,6 +43,7 @@ class Batch:
     group: torch.Tensor  # [R] long, group index within the step: the one source of truth for groups
     reward_valid: torch.Tensor  # [R] bool, False when no reward component had a value (kept out of baselines)
     sampler_logps: torch.Tensor  # [R, T] the sampler's log-prob of each completion token
+    info: RowInfo  # host-side lengths and groups of the rows
     advantages: torch.Tensor | None = None  # [R, T]
     old_logps: torch.Tensor | None = None  # [R, T]
     ref_logps: torch.Tensor | None = None  # [R, T]
@@ -44,29 +58,33 @@ class Batch:
     def completion_ids(self) -> torch.Tensor:
         return self.input_ids[:, self.prompt_width:]  # [R, T]
 
-    def select(self, idx: torch.Tensor | slice) -> Batch:
-        """Rows `idx`, trimmed to their longest prompt and completion (fewer padded columns)."""
+    def select(self, idx: slice | list[int] | torch.Tensor) -> Batch:
+        """Rows `idx` (a slice: views, no copy), trimmed to their longest prompt and completion (fewer padded
+        columns); the trim widths come from `info`, so selecting reads nothing back from the device."""
+        rows = (list(range(self.rows))[idx] if isinstance(idx, slice)
+                else idx.tolist() if isinstance(idx, torch.Tensor) else list(idx))
+        index = idx if isinstance(idx, slice) else torch.tensor(rows, dtype=torch.long).to(self.input_ids.device)
         sub = {f.name: getattr(self, f.name) for f in fields(self)}
         for k, v in sub.items():
             if isinstance(v, torch.Tensor):
-                sub[k] = v[idx]
-        am, cm = sub["attention_mask"], sub["completion_mask"]
+                sub[k] = v[index]
+        info = self.info.take(rows)
         lp = self.prompt_width
-        t = int(cm.sum(0).nonzero().max()) + 1 if cm.any() else 1  # keep >= 1 completion column
-        start = int(am[:, :lp].sum(0).nonzero().min()) if am[:, :lp].any() else lp
+        t = max(max(info.completion_lens, default=0), 1)  # keep >= 1 completion column
+        start = lp - max(info.prompt_lens, default=0)
         for k in ("input_ids", "attention_mask"):
             sub[k] = sub[k][:, start:lp + t]
         for k in ("completion_mask", "sampler_logps", "advantages", "old_logps", "ref_logps", "values", "returns"):
             if sub[k] is not None:
                 sub[k] = sub[k][:, :t]
-        sub["prompt_width"] = lp - start
+        sub["prompt_width"], sub["info"] = lp - start, info
         return Batch(**sub)
 
     def placeholder(self, pad_id: int) -> Batch:
         """One row that trains nothing (completion_mask all 0) with every field this batch has: what a
         process short of micro-batches runs so that it joins each forward through sharded layers."""
         if self.rows:
-            one = self.select(torch.tensor([0], device=self.input_ids.device))
+            one = self.select(slice(0, 1))
         else:
             one = build_batch([[pad_id]], [[pad_id]], [0.0], [0], pad_id).to(self.input_ids.device)
             for name in ("advantages", "old_logps", "ref_logps", "values", "returns"):
@@ -104,5 +122,6 @@ def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], re
             if sampler_logps is not None:
                 slogps[i, :len(c)] = torch.tensor(sampler_logps[i])
     valid = torch.ones(r, dtype=torch.bool) if reward_valid is None else torch.tensor(reward_valid, dtype=torch.bool)
+    info = RowInfo(tuple(map(len, prompt_ids)), tuple(map(len, completion_ids)), tuple(group))
     return Batch(ids, att, cmask, lp, torch.tensor(rewards, dtype=torch.float32),
-                 torch.tensor(group, dtype=torch.long), valid, slogps)
+                 torch.tensor(group, dtype=torch.long), valid, slogps, info)

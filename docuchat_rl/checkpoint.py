@@ -185,6 +185,26 @@ def resolve_resume(path: str, out_dir: Path) -> Path:
     raise CheckpointError(f"no intact checkpoint to resume in {p}: " + ("; ".join(problems) or "none there"))
 
 
+RESUME_KEYS = ("model.name_or_path", "model.revision", "lora.r", "lora.alpha", "lora.target_modules",
+               "algorithm.name", "algorithm.critic_backbone")  # what the saved weights and optimizer state fit
+
+
+def check_resumable(folder: Path, config: dict) -> None:
+    """Refuse (one line) to resume `folder` under a config whose model, adapter or algorithm differs from the
+    one it was trained with: the adapter and optimizer state would not fit the new model."""
+    path = Path(folder) / "run_config.json"
+    if not path.exists():
+        return
+    saved = json.loads(path.read_text())["config"]
+    for key in RESUME_KEYS:
+        section, name = key.split(".")
+        was, now = saved.get(section, {}).get(name), config.get(section, {}).get(name)
+        if was != now:
+            raise CheckpointError(f"{Path(folder).name} was trained with {key}={was!r}, the config says {now!r}: "
+                                  f"resume with the checkpoint's {key}, or start a new run in another "
+                                  "run.output_dir")
+
+
 def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 

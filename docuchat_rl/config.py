@@ -41,11 +41,13 @@ class ModelConfig(Section):
     revision: str | None = None
     """Hub revision (branch, tag or commit) when loading from the hub."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype; auto = float32 on CPU, bfloat16 on GPUs that support it, else float16."""
+    """Weights dtype; auto = float32 on CPU, bfloat16 on GPUs that support it, else float16 (float32 in training, which refuses float16)."""
     device: str = "auto"
     """Torch device (auto, cpu, cuda, cuda:1, ...)."""
     trust_remote_code: bool = False
     """Run model code shipped with a hub repository (off unless you trust it)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (transformers', non-reentrant): far less activation memory for about a third more update time; the update's shared-prompt forward is off with it (no KV cache under checkpointing)."""
     disable_dropout: bool = True
     """Turn the base model's dropout off (rollouts sample in eval mode; updates must score the same function)."""
 

@@ -88,6 +88,12 @@ class Dist:
         """x summed over ranks (a new tensor; x itself unchanged)."""
         return self._reduce(x, "SUM")
 
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """Host numbers summed over ranks (on one process: the numbers themselves, no tensor at all)."""
+        if not self.active:
+            return list(values)
+        return self.sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
     def max(self, x: torch.Tensor) -> torch.Tensor:
         """x's element-wise maximum over ranks (a new tensor)."""
         return self._reduce(x, "MAX")
@@ -116,6 +122,21 @@ class Dist:
             import torch.distributed as dist
 
             dist.barrier()
+
+    def broadcast_(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite each tensor, in place, with the main process's (one flat broadcast): the trainable
+        weights start identical on every process even if some initialisation drew rank-dependent numbers."""
+        if not self.active or not tensors:
+            return
+        import torch.distributed as dist
+
+        flat = torch.cat([t.detach().reshape(-1).to(self.device, torch.float32) for t in tensors])  # [total]
+        dist.broadcast(flat, src=0)
+        start = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[start:start + t.numel()].view_as(t))
+                start += t.numel()
 
     def sum_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Replace each parameter's gradient by its sum over ranks (missing gradients count as zeros)."""
@@ -153,6 +174,7 @@ def sharding_from_launcher() -> Sharding | None:
                             "FSDP2 (config/accelerate/fsdp2.yaml)")
     if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return None
+    check_fsdp_torch(torch.__version__)
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -161,7 +183,8 @@ def sharding_from_launcher() -> Sharding | None:
         "fsdp_version": (plugin.fsdp_version != 2, "FSDP1 is not supported; set fsdp_version: 2"),
         "fsdp_offload_params": (type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy" or plugin.cpu_offload is True,
                                 "CPU offload is not supported"),
-        "fsdp_activation_checkpointing": (plugin.activation_checkpointing, "not supported here"),
+        "fsdp_activation_checkpointing": (plugin.activation_checkpointing,
+                                          "not read here: set model.gradient_checkpointing=true in the recipe"),
         "fsdp_cpu_ram_efficient_loading": (plugin.cpu_ram_efficient_loading,
                                            "not supported: every process loads the whole model, then shards it"),
         "fsdp_auto_wrap_policy": (plugin.auto_wrap_policy not in (None, transformer_auto_wrap_policy),
@@ -175,6 +198,18 @@ def sharding_from_launcher() -> Sharding | None:
         names = [n.strip() for n in names.split(",") if n.strip()]
     return Sharding(reshard_after_forward=bool(plugin.reshard_after_forward),
                     layer_classes=tuple(names) if names else None)
+
+
+FSDP_TORCH = (2, 7)  # fully_shard(..., ignored_params=...) keeps the adapters whole; older torch lacks it
+
+
+def check_fsdp_torch(version: str) -> None:
+    """Refuse FSDP2 on a torch older than FSDP_TORCH (one line, before any model is loaded)."""
+    major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    if (major, minor) < FSDP_TORCH:
+        raise ShardingError(f"FSDP2 here needs torch >= {'.'.join(map(str, FSDP_TORCH))} (fully_shard's "
+                            f"ignored_params keeps the LoRA weights whole); this is torch {version}: upgrade torch, "
+                            "or launch without the FSDP accelerate config (plain data-parallel)")
 
 
 @contextlib.contextmanager

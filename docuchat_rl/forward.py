@@ -38,42 +38,39 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _shared_prompt_forward(model, batch: Batch, with_hidden: bool, with_logits: bool = True):
-    """Logits [R, T, V] (None unless `with_logits`) and last hidden states [R, T, H] (None unless
-    `with_hidden`) predicting each completion token, with each distinct prompt of the micro-batch run
-    once and its keys/values shared by the rows of its group.
+def _shared_prompt_forward(model, batch: Batch):
+    """Last hidden states [R, T, H] at the positions predicting each completion token, with each distinct
+    prompt of the micro-batch run once and its keys/values shared by the rows of its group.
 
     None when no two rows share a group (nothing to save). Gradient-exact: the shared prompt's
     activations receive the summed gradient of every completion that attends to them, as in the
     one-row-per-sequence forward.
     """
-    first, inverse = _group_index(batch.group)
-    if first.numel() == batch.rows:
-        return None
+    first, inverse = _group_index(batch.info.groups)
     lp, t = batch.prompt_width, batch.completion_mask.shape[1]
-    if lp == 0:
+    if len(first) == batch.rows or lp == 0:
         return None
+    first, inverse = (torch.tensor(x).to(batch.input_ids.device) for x in (first, inverse))  # [U], [R]
+    decoder = _decoder(model)
     p_ids, p_mask = batch.input_ids[first, :lp], batch.attention_mask[first, :lp]  # [U, Lp]
-    head = model(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True,
-                 logits_to_keep=1, output_hidden_states=with_hidden)
+    head = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
     cache = head.past_key_values
     _select_rows(cache, inverse)  # [U, ...] -> [R, ...]
-    tail = model(input_ids=batch.completion_ids[:, :t - 1], attention_mask=batch.attention_mask[:, :lp + t - 1],
-                 position_ids=position_ids(batch.attention_mask)[:, lp:lp + t - 1], past_key_values=cache,
-                 use_cache=True, output_hidden_states=with_hidden,
-                 **({} if with_logits else {"logits_to_keep": 1})) if t > 1 else None
     # completion token 0 is predicted by the prompt's last position, token j > 0 by completion position j-1
-    logits = None
-    if with_logits:
-        logits = head.logits[:, -1:].index_select(0, inverse)  # [R, 1, V]
-        if tail is not None:
-            logits = torch.cat([logits, tail.logits], 1)  # [R, T, V]
-    hidden = None
-    if with_hidden:
-        hidden = head.hidden_states[-1][:, -1:].index_select(0, inverse)  # [R, 1, H]
-        if tail is not None:
-            hidden = torch.cat([hidden, tail.hidden_states[-1]], 1)  # [R, T, H]
-    return logits, hidden
+    hidden = head.last_hidden_state[:, -1:].index_select(0, inverse)  # [R, 1, H]
+    if t > 1:
+        tail = decoder(input_ids=batch.completion_ids[:, :t - 1], attention_mask=batch.attention_mask[:, :lp + t - 1],
+                       position_ids=position_ids(batch.attention_mask)[:, lp:lp + t - 1], past_key_values=cache,
+                       use_cache=True)
+        hidden = torch.cat([hidden, tail.last_hidden_state], 1)  # [R, T, H]
+    return hidden
+
+
+def _decoder(model):
+    """The decoder stack under the output head (transformers' `base_model`: Llama's `model`, GPT-2's
+    `transformer`): it returns the last hidden state only, where `output_hidden_states` would keep every
+    layer's alive. LoRA layers live inside it, so adapters (and `disable_adapter`) apply as in the full model."""
+    return base_model(model).base_model
 
 
 def _select_rows(cache, rows: torch.Tensor) -> None:
@@ -89,12 +86,19 @@ def _select_rows(cache, rows: torch.Tensor) -> None:
         layer.values = layer.values.index_select(0, rows)
 
 
-def _group_index(group: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first row of each distinct group [U], each row's position among them [R])."""
-    uniq, inverse = torch.unique(group, return_inverse=True)  # [U], [R]
-    first = torch.full((uniq.numel(),), group.numel(), dtype=torch.long, device=group.device)
-    first.scatter_reduce_(0, inverse, torch.arange(group.numel(), device=group.device), reduce="amin")
-    return first, inverse
+def _group_index(groups: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """(first row of each distinct group [U], each row's position among them [R]), from the host's groups.
+
+    >>> _group_index((4, 4, 1, 4, 1))
+    ([0, 2], [0, 0, 1, 0, 1])
+    """
+    position: dict[int, int] = {}
+    first = []
+    for row, g in enumerate(groups):
+        if g not in position:
+            position[g] = len(first)
+            first.append(row)
+    return first, [position[g] for g in groups]
 
 
 def output_head(model):
@@ -132,25 +136,21 @@ def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     diagnostic (no grad) unless `entropy_grad`, for losses with an entropy bonus.
     """
     t = batch.completion_mask.shape[1]
-    chunked = logit_chunk > 0
-    shared = (_shared_prompt_forward(model, batch, with_hidden or chunked, with_logits=not chunked)
-              if share_prompt else None)
-    if shared is not None:
-        logits, hidden = shared
-    else:
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                    position_ids=position_ids(batch.attention_mask), logits_to_keep=1 if chunked else t + 1,
-                    output_hidden_states=with_hidden or chunked, use_cache=False)
-        logits = None if chunked else out.logits[:, :-1, :]  # [R, T, V]: position j predicts completion token j
-        hidden = out.hidden_states[-1][:, -t - 1:-1, :] if with_hidden or chunked else None  # [R, T, H]
-    if chunked:
-        logps, entropy = chunked_token_stats(output_head(model), hidden, batch.completion_ids, temperature,
-                                             logit_chunk, with_entropy, entropy_grad)
+    hidden = _shared_prompt_forward(model, batch) if share_prompt else None
+    if hidden is None:
+        out = _decoder(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                              position_ids=position_ids(batch.attention_mask), use_cache=False)
+        hidden = out.last_hidden_state[:, -t - 1:-1, :]  # [R, T, H]: position j predicts completion token j
+    head = output_head(model)
+    if logit_chunk > 0:
+        logps, entropy = chunked_token_stats(head, hidden, batch.completion_ids, temperature, logit_chunk,
+                                             with_entropy, entropy_grad)
         return PolicyOutput(logps, entropy, hidden if with_hidden else None)
-    logits = logits / temperature  # [R, T, V]
+    # the sampler divides float32 logits by the temperature: so does the trainer (bf16 division is off by ~0.01)
+    logits = head(hidden).float() / temperature  # [R, T, V]
     logps = token_logprobs(logits, batch.completion_ids)  # [R, T]
     entropy = None
     if with_entropy or entropy_grad:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = token_entropy(logits)  # [R, T]
-    return PolicyOutput(logps, entropy, hidden)
+    return PolicyOutput(logps, entropy, hidden if with_hidden else None)

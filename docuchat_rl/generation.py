@@ -33,6 +33,9 @@ import torch
 from .modeling import base_model
 
 
+DONE_CHECK_EVERY = 8  # the decode loop asks whether every row has finished every this many tokens
+
+
 def row_seed(seed: int, step: int, slot: int, sample: int) -> int:
     """The seed of one completion's random stream: a hash of (run seed, step, the prompt's slot among the
     step's sampled prompts, sample index), so what it draws depends on nothing else (not on
@@ -125,23 +128,32 @@ def sample(logits: torch.Tensor, do_sample: bool, processors: list | None = None
 
 
 def _filled_static_layer():
-    """transformers' StaticLayer, attending only to the positions written so far.
+    """transformers' StaticLayer, attending only to the positions written so far, its length kept as a
+    Python int.
 
     A StaticLayer hands attention its whole preallocated length (prompt + max_new_tokens) at every
     step, masked; with long completions that is up to twice the keys actually in use. This one returns
     the filled prefix of the same buffers, so a step costs what a growing cache costs, without the
-    growing cache's concatenation.
+    growing cache's concatenation. Its length is counted on the host (`filled`), never read back from
+    the device tensor: reading it would stop the host until the GPU caught up, once per layer per token.
     """
     from transformers.cache_utils import StaticLayer
 
     class FilledStaticLayer(StaticLayer):
+        def __init__(self, max_cache_len: int, **kwargs):
+            super().__init__(max_cache_len, **kwargs)
+            self.filled = 0  # positions written so far (host-side twin of cumulative_length)
+
         def update(self, key_states, value_states, *args, **kwargs):
             keys, values = super().update(key_states, value_states, *args, **kwargs)
-            n = int(self.cumulative_length)
-            return keys[:, :, :n], values[:, :, :n]  # [R, H, filled, D]
+            self.filled += key_states.shape[-2]
+            return keys[:, :, :self.filled], values[:, :, :self.filled]  # [R, H, filled, D]
 
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return int(self.cumulative_length) + query_length, 0
+        def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+            return self.filled + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.filled
 
     return FilledStaticLayer
 
@@ -192,9 +204,12 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
         tokens.append(nxt)
         logps.append(draw.logps)
         done |= torch.isin(nxt, stop_t)
-        going = not bool(done.all())
-        if t == max_new_tokens - 1 or not (lockstep(going) if lockstep else going):
+        if t == max_new_tokens - 1:
             break
+        if (t + 1) % DONE_CHECK_EVERY == 0 or lockstep:  # (reading `done` waits for the device: not every token)
+            going = not bool(done.all())
+            if not (lockstep(going) if lockstep else going):
+                break
         out = model(input_ids=nxt[:, None], attention_mask=mask[:, :lp + t + 1], position_ids=next_pos + t,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]  # [R, V]

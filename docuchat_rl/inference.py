@@ -23,6 +23,7 @@ from typing import Callable
 from .config import Config
 from .data import Example, render_prompt
 from .generation import generate
+from .errors import ModelError
 from .modeling import load_model_and_tokenizer
 
 
@@ -43,7 +44,14 @@ def load_policy(cfg: Config, adapter: str | Path | None, device: str | None = No
 
         if not (Path(adapter) / "adapter_config.json").exists():
             raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (give a checkpoint folder)")
-        model = PeftModel.from_pretrained(model, str(adapter))
+        try:
+            model = PeftModel.from_pretrained(model, str(adapter))
+        except (ValueError, RuntimeError) as e:  # peft: no module it targets, or weights of other shapes
+            base = json.loads((Path(adapter) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            why = ("its weight shapes do not fit that model" if isinstance(e, RuntimeError)
+                   else "that model has none of the modules it adapts")
+            raise ModelError(f"--adapter {adapter} was trained on base model {base!r}, not on the configured "
+                             f"model.name_or_path {m.name_or_path!r}: {why}; set model.name_or_path={base}") from None
     return model.eval(), tok
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -34,31 +33,37 @@ from .modeling import CRITIC_ADAPTER, active_adapter
 
 class MetricAccumulator:
     """Loss metrics over a step's micro-batches and processes: a token-weighted mean unless the
-    algorithm names another reduction ("max") for the metric."""
+    algorithm names another reduction ("max") for the metric. Values stay tensors on the device until
+    `result`, which reads them back once (one wait for the GPU per step, not one per metric and micro-batch)."""
 
     def __init__(self, reductions: dict[str, str]):
         self.reductions = reductions
-        self.sums: dict[str, float] = defaultdict(float)
-        self.maxima: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor] = {}
+        self.maxima: dict[str, torch.Tensor] = {}
         self.weight = 0.0
 
-    def add(self, metrics: dict[str, float], weight: float) -> None:
-        """One micro-batch's metrics; `weight` is its number of completion tokens."""
+    def add(self, metrics: dict[str, torch.Tensor | float], weight: float) -> None:
+        """One micro-batch's metrics (0-dim tensors or floats); `weight` is its number of completion tokens."""
         for k, v in metrics.items():
+            v = torch.as_tensor(v, dtype=torch.float64)
             if self.reductions.get(k) == "max":
-                self.maxima[k] = max(self.maxima.get(k, v), v)
+                self.maxima[k] = torch.maximum(self.maxima[k], v) if k in self.maxima else v
             else:
-                self.sums[k] += v * weight
+                self.sums[k] = self.sums[k] + v * weight if k in self.sums else v * weight
         self.weight += weight
 
     def result(self, dist: Dist) -> dict[str, float]:
         """Every process's metrics combined (the union of their keys: a process may have had no rows)."""
         keys = sorted(set(dist.gather(list(self.sums))))
-        packed = dist.sum(torch.tensor([self.weight] + [self.sums[k] for k in keys], dtype=torch.float64)).tolist()
-        out = {k: v / max(packed[0], 1.0) for k, v in zip(keys, packed[1:])}
         mkeys = sorted(set(dist.gather(list(self.maxima))))
+        zero = torch.zeros((), dtype=torch.float64)
+        sums = torch.stack([torch.as_tensor(self.weight, dtype=torch.float64)]
+                           + [self.sums.get(k, zero).cpu() for k in keys])  # [1 + keys]
+        packed = dist.sum(sums).tolist()
+        out = {k: v / max(packed[0], 1.0) for k, v in zip(keys, packed[1:])}
         if mkeys:
-            top = torch.tensor([self.maxima.get(k, -math.inf) for k in mkeys], dtype=torch.float64)
+            top = torch.stack([self.maxima[k].cpu() if k in self.maxima else torch.tensor(-math.inf, dtype=torch.float64)
+                               for k in mkeys])  # [mkeys]
             out.update(zip(mkeys, dist.max(top).tolist()))
         return out
 
@@ -83,22 +88,26 @@ class Learner:
         hidden states the critic reads: the same forward's (shared backbone) or a second forward through
         the critic's own adapter (separate backbone)."""
         critic = with_critic and self.algo.critic is not None
-        # (sharded: no shared-prompt forward, whose number of model calls depends on the rows)
+        # no shared-prompt forward when sharded (its number of model calls depends on the rows) nor under
+        # gradient checkpointing in train mode (transformers' checkpointed layers drop the KV cache it hands on)
+        checkpointed = self.cfg.model.gradient_checkpointing and self.model.training
         kw.update(temperature=self.cfg.rollout.temperature, logit_chunk=self.logit_chunk,
-                  share_prompt=self.cfg.optim.share_prompt and not self.sharded)
+                  share_prompt=self.cfg.optim.share_prompt and not self.sharded and not checkpointed)
         out = policy_forward(self.model, mb, with_hidden=critic and not self.separate_critic, **kw)
         if critic and self.separate_critic:
             with active_adapter(self.model, CRITIC_ADAPTER, self.params):
                 out.hidden = policy_forward(self.model, mb, with_hidden=True, **kw).hidden  # [r, T, H]
         return out
 
-    def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[tuple[torch.Tensor | None, Batch]]:
-        """(row indices, micro-batch) for `rows` of `batch`; when sharded, padded with (None, a placeholder
-        row that trains nothing) to the count of the process with the most, since each forward through the
-        sharded layers is a collective."""
-        chunks = list(rows.split(self.cfg.optim.micro_batch_size)) if len(rows) else []
-        out: list[tuple[torch.Tensor | None, Batch]] = [(r, batch.select(r)) for r in chunks]
-        missing = self.dist.steps(len(chunks)) - len(chunks) if self.sharded else 0
+    def micro_batches(self, batch: Batch, rows: slice) -> list[tuple[slice | None, Batch]]:
+        """(rows, micro-batch) for the contiguous `rows` of `batch`, `micro_batch_size` at a time; when
+        sharded, padded with (None, a placeholder row that trains nothing) to the count of the process with
+        the most, since each forward through the sharded layers is a collective."""
+        size = self.cfg.optim.micro_batch_size
+        out: list[tuple[slice | None, Batch]] = [(slice(a, min(a + size, rows.stop)), None)
+                                                 for a in range(rows.start, rows.stop, size)]
+        out = [(r, batch.select(r)) for r, _ in out]
+        missing = self.dist.steps(len(out)) - len(out) if self.sharded else 0
         if missing:
             out += [(None, batch.placeholder(self.pad_id))] * missing
         return out
@@ -122,7 +131,7 @@ class Learner:
         vals = torch.zeros_like(batch.completion_mask)  # [R, T]
         ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
         with torch.no_grad(), ctx:
-            for rows, mb in self.micro_batches(batch, torch.arange(batch.rows)):
+            for rows, mb in self.micro_batches(batch, slice(0, batch.rows)):
                 out = self.forward(mb, with_critic=values)
                 if rows is None:  # (sharded: a placeholder, run to join the other processes' forward)
                     continue
@@ -132,27 +141,30 @@ class Learner:
         return logps, (vals * batch.completion_mask if values else None)
 
     # ---------------------------------------------------------------- the update
-    def minibatches(self, batch: Batch, global_groups: list[int] | None = None) -> list[torch.Tensor]:
+    def minibatches(self, batch: Batch, global_groups: list[int] | None = None) -> list[list[int]]:
         """The rows of each of the step's `n_minibatches` minibatches: group g (its step-wide index,
         `global_groups[batch.group]`) goes to minibatch g mod n. The same groups make up a minibatch whatever
         the number of processes, every process gets its share of each, and an under-filled batch still
-        makes n minibatches."""
-        g = batch.group if global_groups is None else torch.tensor(global_groups, dtype=torch.long,
-                                                                    device=batch.group.device)[batch.group]  # [R]
-        return [torch.nonzero(g % self.n_minibatches == k).squeeze(-1) for k in range(self.n_minibatches)]
+        makes n minibatches. Read from the host's copy of the groups (no device read)."""
+        step_group = [g if global_groups is None else global_groups[g] for g in batch.info.groups]
+        return [[r for r, g in enumerate(step_group) if g % self.n_minibatches == k] for k in range(self.n_minibatches)]
 
     def update(self, batch: Batch, step: int, global_groups: list[int] | None = None) -> dict[str, float]:
         """`num_iterations` passes of a fixed number of optimizer steps over the batch (an under-filled
         batch still makes as many minibatches, so the schedule never changes pace); -> the step's metrics.
         Each minibatch's loss is normalised by its rows and tokens on all processes, and the gradients are
-        summed across them before the step."""
+        summed across them before the step. The rows are put in minibatch order once, so every minibatch
+        and micro-batch is a contiguous slice (a view: no copy, no device read)."""
+        order = self.minibatches(batch, global_groups)
+        bounds = [sum(map(len, order[:k])) for k in range(len(order) + 1)]
+        batch = batch.select([r for rows in order for r in rows])
         acc = MetricAccumulator(self.algo.metric_reductions)
         grad_norms, losses, skipped = [], [], 0
         self.model.train()
         for _ in range(self.cfg.algorithm.num_iterations):
-            for mb_rows in self.minibatches(batch, global_groups):
-                total, n_rows = self._accumulate(batch, mb_rows, acc)
-                grad_norm = self._step(total, n_rows, step)
+            for k in range(self.n_minibatches):
+                total, n_rows = self._accumulate(batch, slice(bounds[k], bounds[k + 1]), acc)
+                grad_norm = self._step(total, step)
                 if grad_norm is None:
                     skipped += 1
                 else:
@@ -164,28 +176,28 @@ class Learner:
                    lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses), nonfinite_skipped=skipped)
         return out
 
-    def _accumulate(self, batch: Batch, mb_rows: torch.Tensor, acc: MetricAccumulator) -> tuple[float, float]:
+    def _accumulate(self, batch: Batch, rows: slice, acc: MetricAccumulator) -> tuple[float, float]:
         """Forward and backward over one minibatch's micro-batches -> (its loss summed over processes,
-        its rows on all processes)."""
+        its rows on all processes): the one read from the device per optimizer step, with the gradient norm."""
         dist, cfg = self.dist, self.cfg
-        mask = batch.completion_mask[mb_rows]
-        n_rows, tokens = dist.sum(torch.tensor([float(len(mb_rows)), float(mask.sum())])).tolist()
+        lens = batch.info.completion_lens[rows]
+        n_rows, tokens = dist.sum_floats([float(len(lens)), float(sum(lens))])
         norm = Normalisers(rows=max(int(n_rows), 1), tokens=tokens, max_new_tokens=cfg.rollout.max_new_tokens)
-        total = 0.0
-        for rows, mb in self.micro_batches(batch, mb_rows):
+        total = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
+        for sub, mb in self.micro_batches(batch, rows):
             out = self.forward(mb, with_entropy=True, entropy_grad=self.algo.entropy_grad)
             loss, m = self.algo.loss(out, mb, norm)
-            if rows is None:  # sharded: join the other processes' forward and backward, add nothing
+            if sub is None:  # sharded: join the other processes' forward and backward, add nothing
                 self.accelerator.backward(loss * 0.0)
                 continue
             self.accelerator.backward(loss)
-            total += float(loss.detach())
-            acc.add(m, float(mb.completion_mask.sum()))
+            total = total + loss.detach()
+            acc.add(m, float(sum(mb.info.completion_lens)))
         if n_rows:  # (a minibatch with no rows on any process leaves every gradient None, as on one)
             dist.sum_grads(self.params)
-        return float(dist.sum(torch.tensor([total], dtype=torch.float64))), n_rows
+        return float(dist.sum(total.reshape(1))), n_rows
 
-    def _step(self, total: float, n_rows: float, step: int) -> float | None:
+    def _step(self, total: float, step: int) -> float | None:
         """Clip and apply the summed gradients -> the gradient norm, or None when the loss or the norm is
         not finite (no weight or optimizer-state change; the schedule keeps its pace)."""
         cfg = self.cfg.optim

@@ -32,10 +32,21 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return picked - torch.logsumexp(logits, dim=-1)  # [R, T]
 
 
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of each position's distribution (differentiable). logits [R, T, V] -> [R, T]"""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [R, T, V]
-    return -(logp.exp() * logp).sum(-1)  # [R, T]
+def token_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Entropy of each position's distribution. logits [R, T, V] -> [R, T]
+
+    Differentiable when gradients are on; otherwise (the diagnostic entropy) computed `chunk` positions at
+    a time, so its float32 temporaries are [chunk, V], not [R, T, V] each.
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logp = torch.log_softmax(logits.float(), dim=-1)  # [R, T, V]
+        return -(logp.exp() * logp).sum(-1)  # [R, T]
+    flat = logits.reshape(-1, logits.shape[-1])  # [N, V]
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)  # [N]
+    for start in range(0, flat.shape[0], chunk):
+        logp = torch.log_softmax(flat[start:start + chunk].float(), dim=-1)  # [n, V]
+        out[start:start + chunk] = -logp.exp().mul_(logp).sum(-1)
+    return out.view(logits.shape[:-1])  # [R, T]
 
 
 def chunked_token_stats(head, hidden: torch.Tensor, ids: torch.Tensor, temperature: float, chunk: int,

@@ -140,8 +140,9 @@ def merged_adapter(model):
     merged weight is a new Parameter set on the LoRA layer's base module only, and the original
     Parameter object is put back afterwards, bit for bit. A weight that another module shares (a tied
     lm_head and input embedding) is therefore never changed for the other module. Costs one extra copy
-    of the adapted weights while the block runs. Models that are not peft models, adapters that peft
-    does not merge linearly (DoRA) and non-Linear LoRA layers run unmerged.
+    of the adapted weights while the block runs. The LoRA layers themselves are replaced by their (merged)
+    base layers for the block, so the forward runs no peft code at all. Models that are not peft models,
+    adapters that peft does not merge linearly (DoRA) and non-Linear LoRA layers run unmerged.
     """
     from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
@@ -152,7 +153,7 @@ def merged_adapter(model):
     if not mergeable:
         yield model
         return
-    swapped = []
+    swapped, bypassed = [], []
     try:
         with torch.no_grad():
             for m in layers:
@@ -162,8 +163,17 @@ def merged_adapter(model):
                 merged = (weight.float() + delta.float()).to(weight.dtype)
                 swapped.append((base, weight))
                 base.weight = torch.nn.Parameter(merged, requires_grad=False)  # this module only
-        with model.disable_adapter():
-            yield model
+        # the LoRA wrappers step out of the module tree (their base layers, merged, take their place): a
+        # decode step then makes no call into peft's Python per projection
+        for name, m in model.named_modules():
+            if isinstance(m, LoraLayer):
+                parent, _, attr = name.rpartition(".")
+                bypassed.append((model.get_submodule(parent), attr, m))
+        for parent, attr, m in bypassed:
+            setattr(parent, attr, m.get_base_layer())
+        yield model
     finally:
+        for parent, attr, m in bypassed:
+            setattr(parent, attr, m)
         for base, original in swapped:
             base.weight = original

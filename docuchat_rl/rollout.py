@@ -103,6 +103,18 @@ class Rollout:
         return records
 
 
+def rewards_varied(group: list[RewardRecord]) -> bool:
+    """Whether a group's rewards differ, over the completions that have a reward value: a completion whose
+    every component returned None or failed is out of the baseline, so it cannot make a group useful.
+
+    >>> from rewards.composite import RewardRecord
+    >>> rewards_varied([RewardRecord(1.0, {}), RewardRecord(0.0, {}, total_missing=True), RewardRecord(1.0, {})])
+    False
+    """
+    totals = [r.total for r in group if not r.total_missing]
+    return len(totals) > 1 and max(totals) - min(totals) > 1e-8
+
+
 class Collector:
     """Samples and scores a step's groups with the current model (rollout + score phases).
 
@@ -151,9 +163,7 @@ class Collector:
             if idx:
                 with timer("score"):
                     records = score(self.reward, examples, texts, gen).records
-                for p in range(len(idx)):
-                    totals = [records[i].total for i in range(p * g, (p + 1) * g)]
-                    varied.append(max(totals) - min(totals) > 1e-8 or g == 1)
+                varied = [g == 1 or rewards_varied(records[p * g:(p + 1) * g]) for p in range(len(idx))]
             if not r.dynamic_sampling:
                 varied = [True] * n  # every group is used
             elif dist.active:

@@ -24,7 +24,7 @@ import torch
 from rewards import CompositeReward
 
 from .algorithms import Algorithm, get_algorithm_class
-from .checkpoint import TrainerState, load_training_state, resolve_resume
+from .checkpoint import TrainerState, check_resumable, load_training_state, resolve_resume
 from .config import Config
 from .data import DataError, Example, PromptSampler, load_split, render_prompt
 from .distributed import (Dist, Sharding, ShardingError, held_bytes, on_cpu, shard_layers, sharding_from_launcher,
@@ -35,6 +35,24 @@ from .modeling import add_critic_adapter, build_lora, disable_dropout, load_mode
 from .outputs import JsonlWriter, RunLock, check_writable, claim_output_dir
 from .rollout import Collector
 from .scoring import build_reward
+
+
+# Why refuse rather than scale: the LoRA weights and their Adam updates would live in float16 too (an update
+# of lr x 1 is below float16's resolution next to a weight of 1e-2), so loss scaling alone does not train them
+# correctly; it needs float32 master copies as well, and its skipped steps would be a second non-finite rule
+# beside optim.max_nonfinite_steps. bfloat16 (every GPU since Ampere) or float32 trains without either.
+FLOAT16_REFUSED = ("model.dtype float16 is not trained by docuchat-rl (no loss scaling: gradients underflow "
+                   "silently): use model.dtype=bfloat16 on a GPU that has it, else float32")
+
+
+def training_dtype(requested: str, device: torch.device, bf16_supported: bool) -> str:
+    """The dtype a run trains in: `auto` is bfloat16 on a GPU that has it and float32 elsewhere (never the
+    float16 that `auto` means for inference on older GPUs, V100 and T4)."""
+    if requested == "float16":
+        raise TrainingError(FLOAT16_REFUSED)
+    if requested == "auto" and device.type == "cuda":
+        return "bfloat16" if bf16_supported else "float32"
+    return requested
 
 
 @dataclass
@@ -71,6 +89,7 @@ class Placement:
 
     accelerator: object  # accelerate.Accelerator (optimizer/scheduler/RNG state saving, backward, clipping)
     dist: Dist
+    dtype: str  # the model's dtype for training (training_dtype)
     sharding: Sharding | None  # the launcher's FSDP2 request (None: plain data-parallel)
     sharded_layers: list[torch.nn.Module]  # the decoder layers fully_shard split across processes
     gather_for_generation: list[torch.nn.Module]  # layers gathered whole for rollout and evaluation
@@ -107,6 +126,8 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
     """Set up a run (see the module docstring); on any failure nothing stays held (the folder's lock)."""
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
+    if resume_dir:
+        check_resumable(resume_dir, cfg.to_dict())
     place = _launch(cfg)
     lock = None
     try:
@@ -136,7 +157,9 @@ def _launch(cfg: Config) -> Placement:
     if cfg.rollout.sharded_generation and not sharding:
         raise TrainingError("rollout.sharded_generation applies only to runs sharded by an FSDP accelerate "
                             "config (accelerate launch --config_file config/accelerate/fsdp2.yaml)")
-    return Placement(accelerator, Dist.from_accelerator(accelerator), sharding, [], [], None)
+    dist = Dist.from_accelerator(accelerator)
+    bf16 = dist.device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return Placement(accelerator, dist, training_dtype(cfg.model.dtype, dist.device, bf16), sharding, [], [], None)
 
 
 def _agree(dist: Dist, fn, *args):
@@ -211,6 +234,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
             warnings.warn(f"{resume_dir.name} was written by {state.world_size} "
                           f"process{'es' * (state.world_size != 1)} and resumes on {dist.world}: the run goes on, "
                           "but not bit-exactly (sums run in another order)", CheckpointWarning, stacklevel=3)
+    dist.broadcast_(params)  # every process trains the main process's initial (or resumed) weights
     sampler = PromptSampler(len(examples), cfg.run.seed, **state.sampler)
     vocab = model.get_output_embeddings().weight.shape[0]
     chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
@@ -233,12 +257,15 @@ def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algo
     policy's LoRA adapter, the algorithm's critic (and its own adapter when separate); under FSDP2 the
     decoder layers sharded and `place` told how generation sees them."""
     dist = place.dist
-    model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype, str(dist.device),
+    model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, place.dtype, str(dist.device),
                                                 cfg.model.trust_remote_code, cfg.model.revision)
     if cfg.model.disable_dropout:
         disable_dropout(model)
     hidden = model.config.hidden_size
     model = build_lora(model, cfg.lora)
+    if cfg.model.gradient_checkpointing:  # active in train mode only: the update, not sampling or no-grad passes
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()  # (peft's hook: the embeddings' output carries grad into each block)
     algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden, dist.sum)
     params = [p for p in model.parameters() if p.requires_grad]
     if algo.critic is not None:

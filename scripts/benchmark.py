@@ -1,19 +1,25 @@
 """Seconds per GRPO step, ours against `trl.GRPOTrainer`, at the same settings on the same machine.
 
-    python scripts/benchmark.py                      # 8 prompts x 8 completions, 48 new tokens, 30 steps
+    python scripts/benchmark.py                      # 8 x 8 completions, 48 new tokens, natural EOS and fixed length
+    python scripts/benchmark.py --repeats 5 --lengths natural
     python scripts/benchmark.py --only ours --set optim.share_prompt=false
     python scripts/benchmark.py --sweep              # group size {4, 8, 16} x max new tokens {32, 64, 128}
-    python scripts/benchmark.py --sweep --fixed-length   # every completion exactly max-new tokens long
     python scripts/benchmark.py --json
 
-Each side runs in its own process, one after the other (so each peak RSS is its own): (a) our trainer,
+Robust to a noisy machine (the same TRL run has taken 2.65 and 3.58 s/step here): each side runs
+`--repeats` times, interleaved (ours, TRL, TRL, ours, ...: drift hits both alike), each run in its own
+process; a run's time per step is the median over its steps after `--warmup`; printed per side are the
+median over the repeats and the spread (min-max), and the ratio of the medians with the spread of the
+paired ratios. `--lengths` runs natural EOS, fixed length (every completion max-new tokens), or both.
+
+Each side runs in its own process (so each peak RSS is its own): (a) our trainer,
 (b) TRL's GRPOTrainer with `use_cpu=True, bf16=False`, gradient checkpointing off, `report_to="none"`.
 Both get the embedded default model, LoRA r16/alpha 32 on all linear layers, the same prompts in the same
 order (TRL's shuffling off, fed our sampler's order), the same group size, max new tokens, temperature,
 learning rate (constant), beta 0, mu 1, the "grpo" loss aggregation, and the correctness reward only
 (ours from `rewards/`, TRL's the same function in TRL's reward signature). Printed per side: seconds per
-step (median over the steps after the first), our seconds per phase, rollout tokens/s, peak RSS, mean
-reward over the last 10 steps; then ours/TRL. TRL's rollout time is measured around its `generate` call.
+step, our seconds per phase, rollout tokens/s, peak RSS, mean reward over the last 10 steps; then ours/TRL.
+TRL's rollout time is measured around its `generate` call.
 """
 
 from __future__ import annotations
@@ -33,9 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def settings_args(a) -> list[str]:
     return ["--prompts", str(a.prompts), "--generations", str(a.generations), "--max-new", str(a.max_new),
-            "--steps", str(a.steps), "--lr", str(a.lr), "--temperature", str(a.temperature),
+            "--steps", str(a.steps), "--warmup", str(a.warmup), "--lr", str(a.lr), "--temperature", str(a.temperature),
             "--threads", str(a.threads), *(["--fixed-length"] if a.fixed_length else []),
             *[x for s in a.overrides for x in ("--set", s)]]
+
+
+def after_warmup(values: list, a) -> list:
+    """The per-step values after the first `warmup` steps (all of them when the run is that short)."""
+    return values[a.warmup:] or values
 
 
 def peak_rss_mb() -> float:
@@ -67,7 +78,7 @@ def run_ours(a) -> dict:
         trainer = Trainer(cfg)
         history = trainer.train()
         trainer.close()
-    rest = history[1:] or history
+    rest = after_warmup(history, a)
     phases = sorted({k for m in rest for k in m if k.startswith("time/")})
     return {
         "seconds_per_step": statistics.median(sum(m[p] for p in phases) for m in rest),
@@ -143,9 +154,9 @@ def run_trl(a) -> dict:
     rows_per_step = a.prompts * a.generations
     tok_s = [r["completions/mean_length"] * rows_per_step / s for r, s in zip(logs, gen_seconds)]
     return {
-        "seconds_per_step": statistics.median(clock.seconds[1:] or clock.seconds),
-        "phases": {"rollout": statistics.median(gen_seconds[1:] or gen_seconds)},
-        "rollout_tokens_per_s": statistics.median(tok_s[1:] or tok_s),
+        "seconds_per_step": statistics.median(after_warmup(clock.seconds, a)),
+        "phases": {"rollout": statistics.median(after_warmup(gen_seconds, a))},
+        "rollout_tokens_per_s": statistics.median(after_warmup(tok_s, a)),
         "peak_rss_mb": peak_rss_mb(),
         "mean_reward_last_10": statistics.mean(r["reward"] for r in logs[-10:]),
     }
@@ -162,11 +173,24 @@ def spawn(side: str, a, **changes) -> dict:
 
 
 def compare(a, **changes) -> dict:
+    """Each side `a.repeats` times, interleaved; per side the run closest to the median of its time per
+    step (its phases, tokens/s and RSS), the median and spread of the times, and the ratios."""
     sides = ["ours", "trl"] if a.only is None else [a.only]
-    result = {side: spawn(side, a, **changes) for side in sides}
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for i in range(a.repeats):
+        for side in (sides if i % 2 == 0 else sides[::-1]):  # alternate who goes first
+            runs[side].append(spawn(side, a, **changes))
+    result: dict = {}
+    for side, rs in runs.items():
+        times = [r["seconds_per_step"] for r in rs]
+        mid = statistics.median(times)
+        result[side] = {**min(rs, key=lambda r: abs(r["seconds_per_step"] - mid)), "seconds_per_step": mid,
+                        "spread": [min(times), max(times)], "runs": times}
     if len(result) == 2:
         o, t = result["ours"], result["trl"]
+        paired = [x / y for x, y in zip(o["runs"], t["runs"])]
         result["ratio"] = {"seconds_per_step": o["seconds_per_step"] / t["seconds_per_step"],
+                           "paired_spread": [min(paired), max(paired)],
                            "peak_rss": o["peak_rss_mb"] / t["peak_rss_mb"],
                            "rollout_tokens_per_s": o["rollout_tokens_per_s"] / t["rollout_tokens_per_s"]}
     return result
@@ -174,18 +198,21 @@ def compare(a, **changes) -> dict:
 
 def print_table(title: str, result: dict) -> None:
     print(title)
-    print(f"  {'':<8}{'s/step':>8}{'rollout s':>11}{'update s':>10}{'tok/s':>8}{'peak RSS MB':>13}{'reward':>8}")
+    print(f"  {'':<8}{'s/step':>8}{'spread':>14}{'rollout s':>11}{'update s':>10}{'tok/s':>8}{'peak RSS MB':>13}"
+          f"{'reward':>8}")
     for side in ("ours", "trl"):
         if side in result:
             r = result[side]
             ph = r["phases"]
             upd = ph.get("update", float("nan"))
-            print(f"  {side:<8}{r['seconds_per_step']:>8.3f}{ph['rollout']:>11.3f}{upd:>10.3f}"
+            spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}"
+            print(f"  {side:<8}{r['seconds_per_step']:>8.3f}{spread:>14}{ph['rollout']:>11.3f}{upd:>10.3f}"
                   f"{r['rollout_tokens_per_s']:>8.0f}{r['peak_rss_mb']:>13.0f}{r['mean_reward_last_10']:>8.3f}")
     if "ratio" in result:
         q = result["ratio"]
-        print(f"  ours/TRL: seconds per step {q['seconds_per_step']:.2f}, peak RSS {q['peak_rss']:.2f}, "
-              f"rollout tokens/s {q['rollout_tokens_per_s']:.2f}")
+        print(f"  ours/TRL: seconds per step {q['seconds_per_step']:.2f} (paired runs {q['paired_spread'][0]:.2f}-"
+              f"{q['paired_spread'][1]:.2f}), peak RSS {q['peak_rss']:.2f}, rollout tokens/s "
+              f"{q['rollout_tokens_per_s']:.2f}")
     if "ours" in result:
         print("  our phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in result["ours"]["phases"].items()))
 
@@ -195,7 +222,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--generations", type=int, default=8, help="completions per prompt (group size)")
     ap.add_argument("--max-new", type=int, default=48, help="max new tokens per completion")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--warmup", type=int, default=4, help="steps left out of each run's median")
+    ap.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
+    ap.add_argument("--lengths", choices=["natural", "fixed", "both"], default="both",
+                    help="natural EOS, fixed length (no EOS before max-new), or both")
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2, help="torch threads for each side")
@@ -204,8 +235,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["ours", "trl"], help="run one side")
     ap.add_argument("--sweep", action="store_true", help="group size {4,8,16} x max new tokens {32,64,128}")
     ap.add_argument("--sweep-steps", type=int, default=12, help="steps per sweep point")
-    ap.add_argument("--fixed-length", action="store_true",
-                    help="no EOS before max new tokens on both sides (every completion is max-new long)")
+    ap.add_argument("--fixed-length", action="store_true", help=argparse.SUPPRESS)  # (a worker's --lengths)
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -215,18 +245,21 @@ def main() -> None:
         return
     started = time.strftime("%Y-%m-%d")
     if not a.sweep:
-        result = compare(a)
+        report = {}
+        for fixed in {"natural": [False], "fixed": [True], "both": [False, True]}[a.lengths]:
+            result = compare(a, fixed_length=fixed)
+            report["fixed_length" if fixed else "natural_eos"] = result
+            if not a.json:
+                print_table(f"{started}: {a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens "
+                            f"({'fixed length' if fixed else 'natural EOS'}), {a.steps} steps ({a.warmup} warm-up), "
+                            f"{a.repeats} runs a side, {a.threads} threads", result)
         if a.json:
-            print(json.dumps({"date": started, "settings": vars(a), **result}))
-        else:
-            print_table(f"{started}: {a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens"
-                        f"{' (fixed length)' if a.fixed_length else ''}, {a.steps} steps, {a.threads} threads",
-                        result)
+            print(json.dumps({"date": started, "settings": vars(a), **report}))
         return
     points = []
     for g in (4, 8, 16):
         for n in (32, 64, 128):
-            r = compare(a, generations=g, max_new=n, steps=a.sweep_steps)
+            r = compare(a, generations=g, max_new=n, steps=a.sweep_steps, fixed_length=a.lengths == "fixed")
             points.append({"generations": g, "max_new": n, **r})
             if not a.json:
                 print_table(f"G={g} max_new={n} ({a.prompts} prompts, {a.sweep_steps} steps)", r)

@@ -245,3 +245,41 @@ def test_the_eval_command_on_two_processes_reports_once_the_numbers_of_one(tmp_p
 
     one, two = run(1), run(2)
     assert one == two and "pass@2" in one
+
+
+def test_the_trainable_weights_start_as_the_main_processs_on_every_process(tmp_path):
+    """A rank-dependent initialisation (each process drew its own numbers) is overwritten by the main
+    process's weights, whatever their dtype."""
+    script = tmp_path / "broadcast.py"
+    script.write_text(
+        "import json, torch, torch.distributed as d\n"
+        "from docuchat_rl.distributed import Dist\n"
+        "d.init_process_group('gloo'); rank = d.get_rank()\n"
+        "ps = [torch.nn.Parameter(torch.randn(3, generator=torch.Generator().manual_seed(rank))),\n"
+        "      torch.nn.Parameter(torch.full((2, 2), rank + 0.5, dtype=torch.bfloat16))]\n"
+        "before = ps[0].tolist()\n"
+        "Dist(2, rank).broadcast_(ps)\n"
+        "print(json.dumps([rank, before, ps[0].tolist(), ps[1].float().tolist()]))\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    rows = {r[0]: r[1:] for r in (json.loads(x) for x in proc.stdout.splitlines() if x.startswith("["))}
+    assert rows[0][0] != rows[1][0]  # the two processes drew different numbers
+    assert rows[0][1] == rows[1][1] == rows[0][0]  # now both hold the main process's
+    assert rows[1][2] == [[0.5, 0.5], [0.5, 0.5]]
+
+
+@pytest.mark.parametrize("version", ["2.6.0+cu124", "2.4.1"])
+def test_fsdp2_on_a_torch_older_than_2_7_is_refused_in_one_line(monkeypatch, version):
+    from docuchat_rl.distributed import ShardingError, check_fsdp_torch, sharding_from_launcher
+
+    with pytest.raises(ShardingError, match=f"torch >= 2.7 .* this is torch {version.replace('+', '.')}"):
+        check_fsdp_torch(version)
+    check_fsdp_torch("2.7.0")
+    check_fsdp_torch("2.13.0+cpu")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setattr("torch.__version__", version)
+    with pytest.raises(ShardingError, match="upgrade torch"):
+        sharding_from_launcher()  # before accelerate's plugin reads the rest

@@ -123,10 +123,10 @@ def test_shared_prompt_forward_skips_itself_when_no_group_repeats(tiny):
     from docuchat_rl.forward import _shared_prompt_forward
 
     model, tok = tiny
-    assert _shared_prompt_forward(model, _group_batch(tok, [0, 1, 2]), False) is None
+    assert _shared_prompt_forward(model, _group_batch(tok, [0, 1, 2])) is None
     with torch.no_grad():
-        shared = _shared_prompt_forward(model, _group_batch(tok, [0, 0, 1]), False)
-    assert shared is not None and shared[0].shape[0] == 3
+        shared = _shared_prompt_forward(model, _group_batch(tok, [0, 0, 1]))  # hidden states [R, T, H]
+    assert shared is not None and shared.shape[0] == 3
 
 
 def _tiny_arch(name, tok):
@@ -172,4 +172,53 @@ def test_chunked_log_probs_equal_the_full_logits_path_with_gradients(tiny, arch,
         for n in g0:
             assert (g0[n] - g1[n]).norm() <= 1e-5 * g0[n].norm() + 1e-8, n
     finally:
+        pm.unload()
+
+
+def test_bf16_log_probs_divide_float32_logits_by_the_temperature_as_the_sampler_does(tiny):
+    """In bfloat16 the trainer's log-probs are those of the model's own bf16 logits divided in float32 (the
+    sampler's arithmetic, generation.sample); a bf16 division would be off by ~1e-2 nats."""
+    import copy
+
+    from docuchat_rl.losses import token_logprobs
+
+    model, tok = tiny
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    batch = _group_batch(tok, [0, 1, 2, 0])
+    t, mask = batch.completion_mask.shape[1], batch.completion_mask.bool()
+    with torch.no_grad():
+        logits = m16(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                     position_ids=(batch.attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[:, -t - 1:-1]  # bf16
+        for temperature in (0.7, 1.3):
+            ref = token_logprobs(logits.float() / temperature, batch.completion_ids)  # [R, T]
+            for chunk in (0, 16):
+                out = policy_forward(m16, batch, temperature=temperature, logit_chunk=chunk)
+                assert (out.logps - ref)[mask].abs().max() < 1e-4, (temperature, chunk)
+
+
+def test_activation_checkpointing_gives_the_same_log_probs_and_gradients(tiny):
+    """transformers' gradient checkpointing (non-reentrant, peft's input-grad hook) recomputes each layer in
+    the backward: the same numbers, less memory (scripts/logit_memory.py --checkpointing measures it)."""
+    model, tok = tiny
+    pm = with_lora(model, ["q_proj", "v_proj", "down_proj"])
+    try:
+        batch = _group_batch(tok, [0, 1, 0, 2])
+        results = []
+        pm.train()
+        for on in (False, True):
+            if on:
+                pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                pm.enable_input_require_grads()
+            pm.zero_grad()
+            out = policy_forward(pm, batch, temperature=0.9)
+            (out.logps * batch.completion_mask).sum().backward()
+            results.append((out.logps.detach(), {n: p.grad.clone() for n, p in pm.named_parameters()
+                                                 if p.grad is not None}))
+        (a, ga), (b, gb) = results
+        assert torch.allclose(a, b, atol=1e-6) and ga.keys() == gb.keys() and len(ga) == 3 * 4 * 2
+        for n in ga:
+            assert torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-7), n
+    finally:
+        pm.gradient_checkpointing_disable()
+        pm.eval()
         pm.unload()

@@ -184,3 +184,42 @@ def test_reward_model_errors_name_the_problem(tmp_path):
     with pytest.raises(RewardError, match="cannot load"):
         build_reward("reward_model", {"model": str(tmp_path / "missing")})
     assert "reward_model" in __import__("rewards").registered()
+
+
+def _save_tiny(folder, arch):
+    """A tiny random-weight model of another architecture (or another size) beside the default tokenizer."""
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(str(MODEL))
+    if arch == "gpt2":  # none of the adapter's Llama module names (q_proj, ...)
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4))
+    else:  # the same module names, other shapes
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=64,
+                                                   num_hidden_layers=2, num_attention_heads=4))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama-wider"])
+def test_an_adapter_on_a_base_it_was_not_trained_on_is_refused_in_one_line(run, tmp_path, capsys, arch):
+    _, ckpt = run
+    other = _save_tiny(tmp_path / arch, arch)
+    capsys.readouterr()  # (the fixture's run)
+    for cmd in (["generate", "--prompt", "What is 2 + 2?"], ["eval", "--set", "eval.limit=2"]):
+        assert main([*cmd, "--adapter", str(ckpt), "--set", f"model.name_or_path={other}"]) == 2
+        err = capsys.readouterr().err
+        (line,) = [x for x in err.splitlines() if x.startswith("docuchat-rl: error:")]
+        assert "'data/model'" in line and str(other) in line and "Traceback" not in err
+
+
+def test_resuming_a_checkpoint_under_another_model_is_refused_in_one_line(run, tmp_path, capsys):
+    out, _ = run
+    other = _save_tiny(tmp_path / "llama-wider", "llama-wider")
+    capsys.readouterr()  # (the fixture's run)
+    args = ["train", "--config", str(ROOT / "config/default.yaml"), "--set", f"run.output_dir={out}",
+            "--set", f"model.name_or_path={other}", "--resume", "latest"]
+    assert main(args + [a for s in SHORT for a in ("--set", s)]) == 2
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("docuchat-rl: error:")]
+    assert "model.name_or_path='data/model'" in line and str(other) in line and "Traceback" not in err

@@ -38,3 +38,23 @@ def test_each_algorithm_asks_for_the_passes_it_reads(sets, old, ref, values):
     cfg = load_config(None, sets)
     needs = get_algorithm_class(cfg.algorithm.name)(cfg, 8).needs()
     assert (needs.old_logps, needs.ref_logps, needs.values) == (old, ref, values)
+
+
+def test_a_step_with_activation_checkpointing_equals_one_without(tmp_path):
+    """The whole update (shared-prompt forward off under checkpointing, which drops the KV cache it needs):
+    the same loss, gradient norm and metrics."""
+    from docuchat_rl.trainer import Trainer
+
+    from .conftest import ROOT
+
+    runs = {}
+    for on in (False, True):
+        cfg = load_config(ROOT / "config/default.yaml", [
+            f"run.output_dir={tmp_path / str(on)}", "run.steps=1", "rollout.prompts_per_step=2",
+            "rollout.num_generations=4", "rollout.max_new_tokens=16", "logging.progress=false",
+            "eval.before_and_after=false", f"model.gradient_checkpointing={on}"])
+        t = Trainer(cfg)
+        (runs[on],) = t.train()
+        t.close()
+    for key in ("loss", "grad_norm", "entropy", "clip_low", "sampler/mismatch_mean"):
+        assert runs[True][key] == pytest.approx(runs[False][key], rel=1e-4, abs=1e-6), key

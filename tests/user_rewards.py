@@ -36,3 +36,8 @@ def uses_level(prompts, completions, level, **kwargs):
 def huge(prompts, completions, **kwargs):
     """A finite score whose weighted total overflows float32 (3e38 x weight 10): the loss turns NaN."""
     return [3e38] * len(completions)
+
+
+def none_on_even(prompts, completions, **kwargs):
+    """No value for every other completion, 1.0 for the rest: the valid rewards of a group agree."""
+    return [None if i % 2 == 0 else 1.0 for i in range(len(completions))]
