@@ -135,7 +135,8 @@ def _filled_static_layer():
     step, masked; with long completions that is up to twice the keys actually in use. This one returns
     the filled prefix of the same buffers, so a step costs what a growing cache costs, without the
     growing cache's concatenation. Its length is counted on the host (`filled`), never read back from
-    the device tensor: reading it would stop the host until the GPU caught up, once per layer per token.
+    the device tensor (reading it would stop the host until the GPU caught up, once per layer per token),
+    and new keys and values are written by slice (StaticLayer's tensor counter is not used).
     """
     from transformers.cache_utils import StaticLayer
 
@@ -145,9 +146,12 @@ def _filled_static_layer():
             self.filled = 0  # positions written so far (host-side twin of cumulative_length)
 
         def update(self, key_states, value_states, *args, **kwargs):
-            keys, values = super().update(key_states, value_states, *args, **kwargs)
-            self.filled += key_states.shape[-2]
-            return keys[:, :, :self.filled], values[:, :, :self.filled]  # [R, H, filled, D]
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, self.filled = self.filled, self.filled + key_states.shape[-2]
+            self.keys[:, :, start:self.filled].copy_(key_states)  # (one copy; no position tensor, no counter)
+            self.values[:, :, start:self.filled].copy_(value_states)
+            return self.keys[:, :, :self.filled], self.values[:, :, :self.filled]  # [R, H, filled, D]
 
         def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
             return self.filled + query_length, 0
@@ -156,6 +160,11 @@ def _filled_static_layer():
             return self.filled
 
     return FilledStaticLayer
+
+
+def _is_filled_static(cache) -> bool:
+    """Whether `cache` is the preallocated full-attention cache `_expanded_cache` builds."""
+    return bool(getattr(cache, "layers", None)) and all(type(x).__name__ == "FilledStaticLayer" for x in cache.layers)
 
 
 def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):
@@ -192,6 +201,11 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
     rows = u * repeats
     mask = torch.ones(rows, lp + max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device)
     mask[:, :lp] = attention_mask.repeat_interleave(repeats, 0)  # [R, Lp + N]
+    if _is_filled_static(cache):  # every layer full attention: hand the model its 4D additive mask, built once
+        # (transformers would rebuild it from the 2D mask at every step, and a bool mask is slower in SDPA)
+        dtype = logits.dtype if logits.is_floating_point() else torch.float32
+        mask = torch.zeros(rows, 1, 1, lp + max_new_tokens, dtype=dtype, device=input_ids.device).masked_fill_(
+            (mask == 0)[:, None, None, :], torch.finfo(dtype).min)  # [R, 1, 1, Lp + N]
     next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
     stop_t = torch.tensor(stop, device=input_ids.device)
     done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # [R]
@@ -210,7 +224,7 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
             going = not bool(done.all())
             if not (lockstep(going) if lockstep else going):
                 break
-        out = model(input_ids=nxt[:, None], attention_mask=mask[:, :lp + t + 1], position_ids=next_pos + t,
+        out = model(input_ids=nxt[:, None], attention_mask=mask[..., :lp + t + 1], position_ids=next_pos + t,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1]  # [R, V]
     return torch.stack(tokens, 1), torch.stack(logps, 1)  # [R, steps], [R, steps]
