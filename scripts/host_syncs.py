@@ -6,54 +6,30 @@ Decode: conversions per decoded token of `generate` (fast engine, fixed length, 
 model and on a 24-layer tiny Llama, from the difference between 48 and 16 new tokens (set-up and
 read-out cancel). Update: conversions in one `Trainer.update` (2 prompts x 8 completions, mu 2) with 1 and
 with 8 micro-batches per optimizer step, all of them and those made by docuchat_rl's own code, and the
-extra per added micro-batch. Counted by wrapping torch.Tensor's item/tolist/__int__/__float__/__bool__/
-__index__ (tests/test_syncs.py asserts the bounds).
+extra per added micro-batch. Counted by `docuchat_rl.diagnostics.count_host_reads` (tests/test_syncs.py
+asserts the bounds).
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from docuchat_rl.diagnostics import count_host_reads
+
 ROOT = Path(__file__).resolve().parents[1]
-CONVERSIONS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
-
-
-@contextlib.contextmanager
-def counted():
-    calls = {"all": 0, "ours": 0}
-    originals = {name: getattr(torch.Tensor, name) for name in CONVERSIONS}
-
-    def wrap(fn):
-        def inner(self, *a, **k):
-            calls["all"] += 1
-            calls["ours"] += "/docuchat_rl/" in sys._getframe(1).f_code.co_filename
-            return fn(self, *a, **k)
-        return inner
-
-    for name, fn in originals.items():
-        setattr(torch.Tensor, name, wrap(fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
-
-
 def decode_per_token(model, tok) -> float:
     from docuchat_rl.generation import generate
 
     prompts = ["What is 2 + 2?", "Ben has 5 coins. Ben loses 2 coins. How many coins does Ben have now?"]
     n = {}
     for tokens in (16, 48):
-        with counted() as calls:
+        with count_host_reads() as reads:
             generate(model, tok, prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
                      num_return_sequences=2, row_seeds=list(range(4)))
-        n[tokens] = calls["all"]
+        n[tokens] = reads.all
     return (n[48] - n[16]) / 32
 
 
@@ -69,10 +45,10 @@ def update_counts(micro: int) -> dict:
         t = Trainer(cfg)
         batch = t.prepare(t.collect(Timer()))
         t.advantages(batch, Timer())
-        with counted() as calls:
+        with count_host_reads() as reads:
             t.update(batch, Timer())
         t.close()
-    return dict(calls)
+    return {"all": reads.all, "ours": reads.ours}
 
 
 def main() -> None:

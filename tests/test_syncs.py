@@ -1,45 +1,19 @@
 """Host syncs: reading a tensor back into Python (`item`, `int`, `float`, `bool`, `tolist`) waits for the
 device. The decode loop reads at most once every few tokens whatever the number of layers, and the update
 a fixed number of times per optimizer step whatever the number of micro-batches. Counted by wrapping the
-conversions of torch.Tensor (on a CPU they cost nothing, but each is a full stop on a GPU).
+conversions of torch.Tensor (`diagnostics.count_host_reads`; on a CPU they cost nothing, but each is a
+full stop on a GPU).
 
 Library conversions in the update are not ours to remove and are left out of its count: transformers'
 mask code asks `padding_mask.all()` once per forward (to skip building a mask), and torch's Adam reads
 its step counter, a CPU tensor, with `item()` (no device sync)."""
 
-import contextlib
-import sys
-
 import torch
 
+from docuchat_rl.diagnostics import count_host_reads
 from docuchat_rl.generation import DONE_CHECK_EVERY, generate
 
 from .conftest import MODEL
-
-CONVERSIONS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
-
-
-@contextlib.contextmanager
-def counted(ours_only: bool = False):
-    """Count every tensor -> Python conversion made inside the block (`ours_only`: made by docuchat_rl code)."""
-    calls = {"n": 0}
-    originals = {name: getattr(torch.Tensor, name) for name in CONVERSIONS}
-
-    def wrap(fn):
-        def inner(self, *a, **k):
-            if not ours_only or "/docuchat_rl/" in sys._getframe(1).f_code.co_filename:
-                calls["n"] += 1
-            return fn(self, *a, **k)
-        return inner
-
-    for name, fn in originals.items():
-        setattr(torch.Tensor, name, wrap(fn))
-    try:
-        yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(torch.Tensor, name, fn)
-
 
 def _llama(tok, layers):
     import transformers as tf
@@ -52,10 +26,10 @@ def _llama(tok, layers):
 
 def _decode_conversions(model, tok, tokens):
     prompts = ["What is 2 + 2?", "Ben has 5 coins. Ben loses 2 coins. How many coins does Ben have now?"]
-    with counted() as calls:
+    with count_host_reads() as reads:
         generate(model, tok, prompts, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=True,
                  num_return_sequences=2, row_seeds=list(range(4)))
-    return calls["n"]
+    return reads.all
 
 
 def test_decode_conversions_per_token_do_not_grow_with_layers_or_tokens(tiny):
@@ -82,9 +56,9 @@ def test_update_conversions_do_not_grow_with_micro_batches(tmp_path):
         t = Trainer(cfg)
         batch = t.prepare(t.collect(Timer()))
         t.advantages(batch, Timer())
-        with counted(ours_only=True) as calls:
+        with count_host_reads() as reads:
             t.update(batch, Timer())
         t.close()
-        counts[micro] = calls["n"]
+        counts[micro] = reads.ours
     assert counts[2] == counts[16], counts
     assert counts[2] <= 2 * 2 + 2, counts  # per optimizer step the loss and the grad norm; the metrics once
