@@ -153,6 +153,8 @@ class RewardsConfig(Section):
     """Raise on the first failing reward call instead of recording it and going on."""
     timeout_s: float = Field(10.0, gt=0)
     """Per-call time limit of a reward on one batch; slower calls count as failed."""
+    max_failed_steps: int = Field(3, ge=1)
+    """Stop the run after this many steps in a row in which no component produced a value for any completion (nothing to learn from)."""
     accuracy_component: str | None = "correctness"
     """Component whose raw score is reported as accuracy in logs (null: none)."""
 

@@ -107,7 +107,8 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
         if q is None or not str(q).strip():
             raise DataError(f"{source}: row {i} has an empty {prompt_column!r}")
         a = "" if a is None else str(a)
-        extra = {k: v for k, v in row.items() if k not in (prompt_column, answer_column)}
+        extra = {k: v for k, v in row.items() if k != prompt_column}  # (the answer column under its own name
+        # too, raw, as TRL passes it: `def accuracy_reward(completions, solution, **kw)` reads `solution`)
         out.append(Example(prompt_id=i, question=str(q), answer=gold_of(a) or "", columns=extra))
     return out
 

@@ -33,4 +33,4 @@ def build_reward(cfg: RewardsConfig, with_format: bool = False) -> CompositeRewa
 def score(reward: CompositeReward, examples: list[Example], texts: list[str], gen: Generation) -> BatchResult:
     """The composite reward of each completion; `examples` holds each completion's example (repeated)."""
     columns = reward_inputs(examples, [len(c) for c in gen.completion_ids], gen.truncated)
-    return reward([e.question for e in examples], texts, **columns)
+    return reward([e.question for e in examples], texts, completion_ids=gen.completion_ids, **columns)

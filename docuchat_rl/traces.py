@@ -119,3 +119,14 @@ def step_metrics(records: list[TraceRecord], names: list[str], accuracy_componen
               "truncated_frac": float(np.mean([r.truncated for r in records])),
               "reward_missing": sum(r.total_missing for r in records)})
     return m
+
+
+def reward_failures(records: list[TraceRecord], names: list[str]) -> list[str]:
+    """One line per component that failed on every completion of the step, with its first error."""
+    lines = []
+    for name in names:
+        errors = [r.rewards[name]["error"] for r in records]
+        if records and all(e is not None for e in errors):
+            lines.append(f"reward {name!r} failed on all {len(records)} completions of step {records[0].step}: "
+                         f"{errors[0]}")
+    return lines

@@ -23,6 +23,7 @@ Deliberately left out: serving engines (vLLM, SGLang) for the rollout.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,7 +39,7 @@ from .errors import Preempted, TrainingError
 from .preemption import Preemption, RandomState
 from .rollout import Rollout, Timer
 from .run import start_run
-from .traces import step_metrics
+from .traces import reward_failures, step_metrics
 
 __all__ = ["Trainer", "TrainingError", "Timer"]
 
@@ -60,6 +61,7 @@ class Trainer:
         self.preemption = Preemption(self.dist)
         self.on_phase = on_phase or (lambda name: None)
         self._held_out: list[Example] | None = None
+        self._no_reward_steps = 0  # steps in a row without any reward value
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
 
     # ---------------------------------------------------------------- phases
@@ -106,7 +108,22 @@ class Trainer:
             run.outputs.metrics.write([m])
         if run.wandb is not None:
             run.wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
+        self._check_rewards(records, m)
         return m
+
+    def _check_rewards(self, records: list, m: dict) -> None:
+        """Say at once when a component failed on every completion, and stop when no component gave any
+        completion a value for `rewards.max_failed_steps` steps in a row (the run would train nothing)."""
+        if self.is_main:
+            for line in reward_failures(records, self.run.reward.names):
+                print(f"docuchat-rl: warning: {line}", file=sys.stderr, flush=True)
+        self._no_reward_steps = self._no_reward_steps + 1 if m["reward_missing"] == len(records) else 0
+        if self._no_reward_steps >= self.cfg.rewards.max_failed_steps:
+            first = next((c["error"] for r in records for c in r.rewards.values() if c["error"]),
+                         "every component returned None")
+            raise TrainingError(f"no reward component produced a value for any completion in {self._no_reward_steps} "
+                                f"steps in a row (rewards.max_failed_steps): nothing to learn from; first error: "
+                                f"{first}")
 
     def checkpoint(self, step: int) -> Path:
         """Every process takes part (each saves its random states); the main process writes the rest and

@@ -6,11 +6,15 @@ explain themselves: ``reward.explain(...)`` returns one `Score` (value + JSON-ab
 completion. Subclasses implement ``score(prompt, completion, row)`` for one completion, or override
 ``explain`` when batching pays.
 
-Deliberately left out: async rewards and remote reward servers; wrap those in a plain function.
+A user's function (a dotted path `package.module:function`) is called as TRL calls it (`FunctionReward`):
+by keyword, async functions included.
+
+Deliberately left out: remote reward servers; call one from a function.
 """
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 from dataclasses import dataclass, field
@@ -77,18 +81,44 @@ class Reward:
 
 
 class FunctionReward(Reward):
-    """A user's plain TRL-style function, given the explain interface (its info is empty)."""
+    """A user's plain TRL-style function, given the explain interface (its info is empty).
+
+    Called as TRL's GRPOTrainer calls reward functions: every argument by keyword (`prompts=`,
+    `completions=`, `completion_ids=` when the trainer has them, each data set column by its name, and
+    the component's `params`), so `def reward_len(completions, **kwargs)` and
+    `def accuracy_reward(completions, solution, **kwargs)` work as written. A function without
+    `**kwargs` gets only the arguments it names. An `async def` function is run to completion. A None
+    in its list means "no value for this completion".
+
+    >>> def reward_len(completions, **kwargs):
+    ...     return [-abs(20 - len(c)) for c in completions]
+    >>> FunctionReward(reward_len, "reward_len")(["Q", "Q"], ["short", "x" * 20])
+    [-15, 0]
+    """
 
     low, high = float("-inf"), float("inf")
 
     def __init__(self, fn: Callable, name: str, **params: Any):
         self.fn, self.name, self.params = fn, name, params
+        sig = inspect.signature(fn)
+        self._takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        self._names = set(sig.parameters)
 
     def explain(self, prompts: list, completions: list, **columns: Any) -> list[Score]:
-        values = self.fn(prompts, completions, **columns, **self.params)
+        kwargs = {"prompts": prompts, "completions": completions, **columns, **self.params}
+        if not self._takes_all:
+            kwargs = {k: v for k, v in kwargs.items() if k in self._names}
+        values = self.fn(**kwargs)
+        if inspect.isawaitable(values):
+            values = asyncio.run(_awaited(values))
         if not isinstance(values, (list, tuple)):
             raise RewardError(f"reward {self.name!r} returned {type(values).__name__}, expected a list")
         return [Score(v) for v in values]
+
+
+async def _awaited(awaitable):
+    """The result of an awaitable (asyncio.run wants a coroutine)."""
+    return await awaitable
 
 
 _REGISTRY: dict[str, type[Reward]] = {}  # rewards outside this package (the engine's torch-based

@@ -26,7 +26,8 @@ def test_loads_each_format_with_column_mapping(tmp_path, fmt):
     ex = load_examples(str(write(tmp_path, fmt)), "train", "q", "a")
     assert [(e.prompt_id, e.question, e.answer) for e in ex] == [(0, "What is 2 + 2?", "4"),
                                                                    (1, "Capital of France?", "Paris")]
-    assert [e.columns for e in ex] == [{"level": 1}, {"level": 3}]  # other columns go to the rewards
+    # the other columns go to the rewards, the answer column too (raw, under its own name, as TRL passes it)
+    assert [e.columns for e in ex] == [{"a": r["a"], "level": r["level"]} for r in ROWS]
 
 
 def test_limit(tmp_path):

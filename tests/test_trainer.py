@@ -306,3 +306,49 @@ def test_a_run_samples_the_same_completions_whatever_the_generation_batch_size(t
         traces[gbs] = [(r["step"], r["prompt_id"], r["sample"], r["completion"])
                        for r in read_jsonl(tmp_path / str(gbs) / "traces.jsonl")]
     assert traces[64] == traces[4] and len(traces[4]) == 16
+
+
+@pytest.mark.slow
+def test_reward_functions_written_as_trl_documents_them_score_in_a_real_run(tmp_path):
+    """TRL's quick-start `reward_len(completions, **kwargs)`, `accuracy_reward(completions, solution, **kwargs)`
+    on a data set column, an async function, `completion_ids`, and a function without **kwargs: each trace
+    value equals a direct call on that completion (before, every call failed and the run trained nothing)."""
+    import asyncio
+    import importlib
+
+    user = importlib.import_module("tests.user_rewards")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + {i}?", "solution": str(2 * i)}) + "\n"
+                            for i in range(1, 9)))
+    names = ["reward_len", "accuracy_reward", "async_len", "token_count", "only_named"]
+    rewards = "rewards=[" + ", ".join(f"{{name: 'tests.user_rewards:{n}'}}" for n in names) + "]"
+    t = Trainer(cfg_for(tmp_path / "run", "run.steps=1", f"data.train={data}", "data.answer_column=solution",
+                        "data.test=null", rewards, "rewards.accuracy_component=null"))
+    t.train()
+    t.close()
+    traces = read_jsonl(tmp_path / "run" / "traces.jsonl")
+    assert len(traces) == 8 and not any(r["total_missing"] for r in traces)
+    for r in traces:
+        c, p, s = [r["completion"]], [r["prompt"]], [r["gold"]]
+        got = {n: r["rewards"][f"tests.user_rewards:{n}"] for n in names}
+        assert all(g["error"] is None for g in got.values()), got
+        assert got["reward_len"]["raw"] == user.reward_len(completions=c)[0]
+        assert got["accuracy_reward"]["raw"] == user.accuracy_reward(completions=c, solution=s)[0]
+        assert got["async_len"]["raw"] == asyncio.run(user.async_len(prompts=p, completions=c))[0]
+        assert got["token_count"]["raw"] == r["completion_tokens"]
+        assert got["only_named"]["raw"] == user.only_named(c, s)[0]
+    assert len({r["advantage"] for r in traces}) > 1  # the rewards varied, so the step trained on them
+
+
+def test_a_reward_failing_everywhere_is_said_at_once_and_stops_the_run(tmp_path, capsys):
+    """A component failing on every completion prints one line naming it and its error; when no component
+    gives any completion a value for rewards.max_failed_steps steps, the run stops in one line."""
+    t = Trainer(cfg_for(tmp_path, "run.steps=5", "rewards=[{name: 'tests.user_rewards:raises'}]",
+                        "rewards.accuracy_component=null", "rewards.max_failed_steps=2"))
+    with pytest.raises(TrainingError, match=r"2 steps in a row .*RuntimeError: boom") as e:
+        t.train()
+    t.close()
+    assert "\n" not in str(e.value)
+    warned = [x for x in capsys.readouterr().err.splitlines() if "failed on all" in x]
+    assert len(warned) == 2 and "'tests.user_rewards:raises'" in warned[0] and "boom" in warned[0]
+    assert [m["reward_missing"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [8, 8]  # both steps logged

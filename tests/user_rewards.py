@@ -1,5 +1,6 @@
 """A user's own rewards, loaded by dotted path in tests (`tests.user_rewards:...`)."""
 
+import asyncio
 import time
 
 
@@ -41,3 +42,31 @@ def huge(prompts, completions, **kwargs):
 def none_on_even(prompts, completions, **kwargs):
     """No value for every other completion, 1.0 for the rest: the valid rewards of a group agree."""
     return [None if i % 2 == 0 else 1.0 for i in range(len(completions))]
+
+
+# --- reward functions in the signatures TRL's documentation uses, as a TRL user brings them ---------------
+
+def reward_len(completions, **kwargs):
+    """TRL's GRPO quick start: completions near 20 characters."""
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def accuracy_reward(completions, solution, **kwargs):
+    """TRL's docs: a data set column (`solution`) by name."""
+    return [1.0 if str(s) in c else 0.0 for c, s in zip(completions, solution)]
+
+
+async def async_len(prompts, completions, **kwargs):
+    """An async reward (TRL runs these with asyncio)."""
+    await asyncio.sleep(0)
+    return [float(len(p) + len(c)) for p, c in zip(prompts, completions)]
+
+
+def token_count(completion_ids, **kwargs):
+    """Reads the completion's token ids, which TRL passes as `completion_ids`."""
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def only_named(completions, solution):
+    """No **kwargs: gets only what it names."""
+    return [float(len(c) > len(str(s))) for c, s in zip(completions, solution)]
