@@ -222,3 +222,35 @@ def test_activation_checkpointing_gives_the_same_log_probs_and_gradients(tiny):
         pm.gradient_checkpointing_disable()
         pm.eval()
         pm.unload()
+
+
+def test_scoring_never_asks_the_model_for_every_layers_hidden_states(tiny):
+    """`output_hidden_states` keeps every layer's hidden states alive (in the no-grad passes too); the forward
+    takes the decoder's last hidden state instead, chunked or not, with or without the critic's."""
+    model, tok = tiny
+    asked = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args, kw: asked.append(kw.get("output_hidden_states")),
+                                         with_kwargs=True) for m in (model, model.model)]
+    try:
+        batch = _group_batch(tok, [0, 1, 0])
+        with torch.no_grad():
+            for chunk in (0, 8):
+                for hidden in (False, True):
+                    for share in (False, True):
+                        out = policy_forward(model, batch, logit_chunk=chunk, with_hidden=hidden, share_prompt=share,
+                                             with_entropy=True)
+                        assert (out.hidden is not None) == hidden
+    finally:
+        for h in hooks:
+            h.remove()
+    assert asked and not any(asked)
+
+
+def test_the_chunked_no_grad_entropy_equals_the_differentiable_one():
+    from docuchat_rl.losses import token_entropy
+
+    logits = torch.randn(3, 700, 50, dtype=torch.float64) * 3  # [R, T, V], more positions than one chunk
+    with torch.no_grad():
+        chunked = token_entropy(logits)
+    whole = token_entropy(logits.clone().requires_grad_(True))
+    assert torch.allclose(chunked, whole.detach(), atol=1e-5)
