@@ -36,8 +36,8 @@ class MetricAccumulator:
     algorithm names another reduction ("max") for the metric. Values stay tensors on the device until
     `result`, which reads them back once (one wait for the GPU per step, not one per metric and micro-batch)."""
 
-    def __init__(self, reductions: dict[str, str]):
-        self.reductions = reductions
+    def __init__(self, reductions: dict[str, str], device: torch.device | str = "cpu"):
+        self.reductions, self.device = reductions, torch.device(device)
         self.sums: dict[str, torch.Tensor] = {}
         self.maxima: dict[str, torch.Tensor] = {}
         self.weight = 0.0
@@ -45,7 +45,7 @@ class MetricAccumulator:
     def add(self, metrics: dict[str, torch.Tensor | float], weight: float) -> None:
         """One micro-batch's metrics (0-dim tensors or floats); `weight` is its number of completion tokens."""
         for k, v in metrics.items():
-            v = torch.as_tensor(v, dtype=torch.float64)
+            v = torch.as_tensor(v, dtype=torch.float64, device=self.device)
             if self.reductions.get(k) == "max":
                 self.maxima[k] = torch.maximum(self.maxima[k], v) if k in self.maxima else v
             else:
@@ -53,17 +53,19 @@ class MetricAccumulator:
         self.weight += weight
 
     def result(self, dist: Dist) -> dict[str, float]:
-        """Every process's metrics combined (the union of their keys: a process may have had no rows)."""
+        """Every process's metrics combined (the union of their keys: a process may have had no rows);
+        the one read back: each kind stacked on the device, then one `tolist`."""
         keys = sorted(set(dist.gather(list(self.sums))))
         mkeys = sorted(set(dist.gather(list(self.maxima))))
-        zero = torch.zeros((), dtype=torch.float64)
-        sums = torch.stack([torch.as_tensor(self.weight, dtype=torch.float64)]
-                           + [self.sums.get(k, zero).cpu() for k in keys])  # [1 + keys]
+
+        def fill(value: float) -> torch.Tensor:
+            return torch.tensor(value, dtype=torch.float64, device=self.device)
+
+        sums = torch.stack([fill(self.weight)] + [self.sums.get(k, fill(0.0)) for k in keys])  # [1 + keys]
         packed = dist.sum(sums).tolist()
         out = {k: v / max(packed[0], 1.0) for k, v in zip(keys, packed[1:])}
         if mkeys:
-            top = torch.stack([self.maxima[k].cpu() if k in self.maxima else torch.tensor(-math.inf, dtype=torch.float64)
-                               for k in mkeys])  # [mkeys]
+            top = torch.stack([self.maxima.get(k, fill(-math.inf)) for k in mkeys])  # [mkeys]
             out.update(zip(mkeys, dist.max(top).tolist()))
         return out
 
@@ -158,7 +160,7 @@ class Learner:
         order = self.minibatches(batch, global_groups)
         bounds = [sum(map(len, order[:k])) for k in range(len(order) + 1)]
         batch = batch.select([r for rows in order for r in rows])
-        acc = MetricAccumulator(self.algo.metric_reductions)
+        acc = MetricAccumulator(self.algo.metric_reductions, batch.input_ids.device)
         grad_norms, losses, skipped = [], [], 0
         self.model.train()
         for _ in range(self.cfg.algorithm.num_iterations):

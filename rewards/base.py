@@ -100,9 +100,12 @@ class FunctionReward(Reward):
 
     def __init__(self, fn: Callable, name: str, **params: Any):
         self.fn, self.name, self.params = fn, name, params
-        sig = inspect.signature(fn)
-        self._takes_all = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        self._names = set(sig.parameters)
+        try:
+            parameters = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # (some builtins have no signature: pass everything, as TRL does)
+            parameters = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+        self._takes_all = any(p.kind is p.VAR_KEYWORD for p in parameters)
+        self._names = {p.name for p in parameters}
 
     def explain(self, prompts: list, completions: list, **columns: Any) -> list[Score]:
         kwargs = {"prompts": prompts, "completions": completions, **columns, **self.params}
