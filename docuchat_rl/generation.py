@@ -203,7 +203,7 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
     mask[:, :lp] = attention_mask.repeat_interleave(repeats, 0)  # [R, Lp + N]
     if _is_filled_static(cache):  # every layer full attention: hand the model its 4D additive mask, built once
         # (transformers would rebuild it from the 2D mask at every step, and a bool mask is slower in SDPA)
-        dtype = logits.dtype if logits.is_floating_point() else torch.float32
+        dtype = cache.layers[0].keys.dtype  # the attention's own dtype (logits may be upcast)
         mask = torch.zeros(rows, 1, 1, lp + max_new_tokens, dtype=dtype, device=input_ids.device).masked_fill_(
             (mask == 0)[:, None, None, :], torch.finfo(dtype).min)  # [R, 1, 1, Lp + N]
     next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
