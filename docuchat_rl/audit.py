@@ -208,7 +208,7 @@ class TraceStore:
 def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", format_name: str = "format",
            min_rise: float = 0.10, min_fall: float = 0.05, length_ratio: float = 2.0,
            repetition_rise: float = 0.10, no_signal_share: float = 0.95, error_share: float = 0.0,
-           examples: int = 3) -> list[Finding]:
+           truncated_share: float = 0.9, examples: int = 3) -> list[Finding]:
     """Named checks for common reward hacking and broken rewards in `store`, first vs last step range."""
     findings: list[Finding] = []
     ranges = store.step_bins(bins)
@@ -257,6 +257,13 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
             "repetition_creep", rep1 - rep0 >= repetition_rise,
             f"share of repeated word 3-grams {rep0:.3f} -> {rep1:.3f} ({span})",
             f"rise >= {repetition_rise}", worst if rep1 - rep0 >= repetition_rise else []))
+    cut = mean("CAST(truncated AS DOUBLE)", last)
+    if cut is not None:
+        findings.append(Finding(
+            "truncated", cut >= truncated_share,
+            f"{cut:.1%} of the completions of steps {last[0]}-{last[1]} hit max_new_tokens",
+            f"share >= {truncated_share:.0%} (rewards judge unfinished completions)",
+            ex(f"step >= {last[0]} AND truncated", "step DESC") if cut >= truncated_share else []))
     for c in store.components:
         q = _q(c)
         groups, constant = store.con.execute(

@@ -130,3 +130,19 @@ def reward_failures(records: list[TraceRecord], names: list[str]) -> list[str]:
             lines.append(f"reward {name!r} failed on all {len(records)} completions of step {records[0].step}: "
                          f"{errors[0]}")
     return lines
+
+
+TRUNCATED_WARNING = 0.9  # a step in which at least this share of completions hit max_new_tokens is said
+
+
+def signal_warnings(m: dict[str, Any]) -> list[str]:
+    """The step's silent zero-signal cases, from its metrics record: every group's rewards agreed (GRPO
+    trains nothing on it), or nearly every completion was cut at `rollout.max_new_tokens`."""
+    lines = []
+    if m.get("zero_std_frac") == 1.0:
+        lines.append(f"step {m['step']}: the rewards agreed within every group (zero_std_frac 1.0): the step "
+                     "had no advantage signal")
+    if m.get("truncated_frac", 0.0) >= TRUNCATED_WARNING:
+        lines.append(f"step {m['step']}: {m['truncated_frac']:.0%} of the completions were cut at "
+                     "rollout.max_new_tokens (their rewards judge unfinished text)")
+    return lines

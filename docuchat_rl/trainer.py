@@ -39,7 +39,7 @@ from .errors import Preempted, TrainingError
 from .preemption import Preemption, RandomState
 from .rollout import Rollout, Timer
 from .run import start_run
-from .traces import reward_failures, step_metrics
+from .traces import reward_failures, signal_warnings, step_metrics
 
 __all__ = ["Trainer", "TrainingError", "Timer"]
 
@@ -112,10 +112,11 @@ class Trainer:
         return m
 
     def _check_rewards(self, records: list, m: dict) -> None:
-        """Say at once when a component failed on every completion, and stop when no component gave any
-        completion a value for `rewards.max_failed_steps` steps in a row (the run would train nothing)."""
+        """Say at once when a component failed on every completion or the step had no learning signal
+        (traces.signal_warnings), and stop when no component gave any completion a value for
+        `rewards.max_failed_steps` steps in a row (the run would train nothing)."""
         if self.is_main:
-            for line in reward_failures(records, self.run.reward.names):
+            for line in reward_failures(records, self.run.reward.names) + signal_warnings(m):
                 print(f"docuchat-rl: warning: {line}", file=sys.stderr, flush=True)
         self._no_reward_steps = self._no_reward_steps + 1 if m["reward_missing"] == len(records) else 0
         if self._no_reward_steps >= self.cfg.rewards.max_failed_steps:

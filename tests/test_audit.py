@@ -235,3 +235,14 @@ def test_audit_on_a_real_short_run(tmp_path, capsys):
     assert main(["audit", str(tmp_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["summary"]["records"] == 16 and data["malformed"][0]["line"] == 17
+
+
+def test_detector_truncated(tmp_path):
+    recs = [rec(s, s, 0, i, float(i % 2), 1.0, truncated=s > 5 or i == 0) for s in range(1, 11) for i in range(4)]
+    with TraceStore([write(tmp_path / "t.jsonl", recs)]) as store:
+        found = {f.check: f for f in store.detect(bins=2)}
+    assert found["truncated"].fired and found["truncated"].examples and all(
+        e["step"] > 5 for e in found["truncated"].examples)
+    recs = [rec(s, s, 0, i, float(i % 2), 1.0, truncated=i == 0) for s in range(1, 11) for i in range(4)]
+    with TraceStore([write(tmp_path / "t2.jsonl", recs)]) as store:
+        assert "truncated" not in fired(store.detect(bins=2))  # a quarter cut: not said

@@ -352,3 +352,18 @@ def test_a_reward_failing_everywhere_is_said_at_once_and_stops_the_run(tmp_path,
     warned = [x for x in capsys.readouterr().err.splitlines() if "failed on all" in x]
     assert len(warned) == 2 and "'tests.user_rewards:raises'" in warned[0] and "boom" in warned[0]
     assert [m["reward_missing"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [8, 8]  # both steps logged
+
+
+def test_steps_without_a_learning_signal_are_said_while_they_happen(tmp_path, capsys):
+    """Every group's rewards agreeing (a reward no completion can earn) and completions all cut at
+    max_new_tokens each print a warning line at the step (TRL says nothing in either case)."""
+    t = Trainer(cfg_for(tmp_path, "run.steps=2", "rollout.max_new_tokens=4",
+                        "rewards=[{name: 'tests.user_rewards:length_over', params: {limit: 1000}}]",
+                        "rewards.accuracy_component=null"))
+    history = t.train()
+    t.close()
+    err = capsys.readouterr().err
+    assert [m["zero_std_frac"] for m in history] == [1.0, 1.0] and [m["truncated_frac"] for m in history] == [1.0, 1.0]
+    for step in (1, 2):
+        assert f"step {step}: the rewards agreed within every group" in err
+        assert f"step {step}: 100% of the completions were cut at rollout.max_new_tokens" in err
