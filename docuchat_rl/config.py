@@ -47,7 +47,7 @@ class ModelConfig(Section):
     trust_remote_code: bool = False
     """Run model code shipped with a hub repository (off unless you trust it)."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward (transformers', non-reentrant): far less activation memory for about a third more update time; the update's shared-prompt forward is off with it (no KV cache under checkpointing)."""
+    """Recompute each decoder layer's activations in the backward (transformers', non-reentrant): far less activation memory for one more forward per layer; the update's shared-prompt forward is off with it (no KV cache under checkpointing)."""
     disable_dropout: bool = True
     """Turn the base model's dropout off (rollouts sample in eval mode; updates must score the same function)."""
 
