@@ -25,6 +25,7 @@ steps (compilation takes longer than a whole run of the embedded default on a CP
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 from dataclasses import dataclass
 
@@ -127,6 +128,7 @@ def sample(logits: torch.Tensor, do_sample: bool, processors: list | None = None
     return Draw(tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log().float())
 
 
+@functools.cache
 def _filled_static_layer():
     """transformers' StaticLayer, attending only to the positions written so far, its length kept as a
     Python int.
@@ -164,7 +166,7 @@ def _filled_static_layer():
 
 def _is_filled_static(cache) -> bool:
     """Whether `cache` is the preallocated full-attention cache `_expanded_cache` builds."""
-    return bool(getattr(cache, "layers", None)) and all(type(x).__name__ == "FilledStaticLayer" for x in cache.layers)
+    return bool(getattr(cache, "layers", None)) and all(type(x) is _filled_static_layer() for x in cache.layers)
 
 
 def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):

@@ -106,9 +106,8 @@ class Learner:
         sharded, padded with (None, a placeholder row that trains nothing) to the count of the process with
         the most, since each forward through the sharded layers is a collective."""
         size = self.cfg.optim.micro_batch_size
-        out: list[tuple[slice | None, Batch]] = [(slice(a, min(a + size, rows.stop)), None)
-                                                 for a in range(rows.start, rows.stop, size)]
-        out = [(r, batch.select(r)) for r, _ in out]
+        parts = [slice(a, min(a + size, rows.stop)) for a in range(rows.start, rows.stop, size)]
+        out: list[tuple[slice | None, Batch]] = [(r, batch.select(r)) for r in parts]
         missing = self.dist.steps(len(out)) - len(out) if self.sharded else 0
         if missing:
             out += [(None, batch.placeholder(self.pad_id))] * missing
@@ -165,7 +164,7 @@ class Learner:
         self.model.train()
         for _ in range(self.cfg.algorithm.num_iterations):
             for k in range(self.n_minibatches):
-                total, n_rows = self._accumulate(batch, slice(bounds[k], bounds[k + 1]), acc)
+                total = self._accumulate(batch, slice(bounds[k], bounds[k + 1]), acc)
                 grad_norm = self._step(total, step)
                 if grad_norm is None:
                     skipped += 1
@@ -178,9 +177,9 @@ class Learner:
                    lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses), nonfinite_skipped=skipped)
         return out
 
-    def _accumulate(self, batch: Batch, rows: slice, acc: MetricAccumulator) -> tuple[float, float]:
-        """Forward and backward over one minibatch's micro-batches -> (its loss summed over processes,
-        its rows on all processes): the one read from the device per optimizer step, with the gradient norm."""
+    def _accumulate(self, batch: Batch, rows: slice, acc: MetricAccumulator) -> float:
+        """Forward and backward over one minibatch's micro-batches -> its loss summed over processes (the one
+        read from the device per optimizer step, with the gradient norm)."""
         dist, cfg = self.dist, self.cfg
         lens = batch.info.completion_lens[rows]
         n_rows, tokens = dist.sum_floats([float(len(lens)), float(sum(lens))])
@@ -197,7 +196,7 @@ class Learner:
             acc.add(m, float(sum(mb.info.completion_lens)))
         if n_rows:  # (a minibatch with no rows on any process leaves every gradient None, as on one)
             dist.sum_grads(self.params)
-        return float(dist.sum(total.reshape(1))), n_rows
+        return float(dist.sum(total.reshape(1)))
 
     def _step(self, total: float, step: int) -> float | None:
         """Clip and apply the summed gradients -> the gradient norm, or None when the loss or the norm is
