@@ -369,3 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"docuchat-rl: error: could not write{where}: {e.strerror or e}; the last checkpoint is intact",
               file=sys.stderr)
         return 2
+    finally:
+        from .distributed import end_processes
+
+        end_processes()  # (under a launcher: every process leaves the group before it exits)

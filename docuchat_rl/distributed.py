@@ -36,6 +36,16 @@ import torch
 from .modeling import base_model
 
 
+def end_processes() -> None:
+    """Tear down the process group, if one was started, before the interpreter exits. Without it a gloo
+    process whose peer exited first can abort at exit ("terminate called without an active exception",
+    SIGABRT) after its work is done, and the launcher reports the whole run as failed."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def no_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum over the processes of a one-process run: the tensor itself (the default `reduce` of the
     functions that take one)."""

@@ -259,7 +259,8 @@ def test_the_trainable_weights_start_as_the_main_processs_on_every_process(tmp_p
         "      torch.nn.Parameter(torch.full((2, 2), rank + 0.5, dtype=torch.bfloat16))]\n"
         "before = ps[0].tolist()\n"
         "Dist(2, rank).broadcast_(ps)\n"
-        f"open(f'{tmp_path}/{{rank}}.json', 'w').write(json.dumps([before, ps[0].tolist(), ps[1].float().tolist()]))\n")
+        f"open(f'{tmp_path}/{{rank}}.json', 'w').write(json.dumps([before, ps[0].tolist(), ps[1].float().tolist()]))\n"
+        "from docuchat_rl.distributed import end_processes; end_processes()\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
