@@ -47,6 +47,36 @@ def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: str, eps
     return adv.float(), zero_std
 
 
+def decoupled_advantages(components: torch.Tensor, weights: torch.Tensor, group: torch.Tensor, eps: float = 1e-4,
+                         valid: torch.Tensor | None = None, reduce=no_reduce) -> torch.Tensor:
+    """GDPO (multi_objective_aggregation normalize_then_sum): each reward component is scaled within its
+    group, (x - group mean) / (group std + eps), over the rows where it has a value; the weighted sum of
+    the scaled components is then scaled over the batch of every process, (s - mean) / (std + eps). A
+    component without a value in a row, or with fewer than 2 values in its group, adds nothing there.
+
+    components [R, K] raw scores, NaN where none; weights [K]; group [R]; valid [R] bool (rows with any
+    value; the others get advantage 0 and stay out of the batch statistics) -> advantages [R]
+    """
+    x = components.double()  # [R, K]
+    has = ~torch.isnan(x)  # [R, K]
+    w = has.double()
+    n_groups = int(group.max()) + 1 if group.numel() else 0
+    count = torch.zeros(n_groups, x.shape[1], dtype=x.dtype, device=x.device).index_add_(0, group, w)  # [G, K]
+    total = torch.zeros_like(count).index_add_(0, group, torch.nan_to_num(x) * w)  # [G, K]
+    centred = (torch.nan_to_num(x) - (total / count.clamp(min=1.0))[group]) * w  # [R, K]
+    sq = torch.zeros_like(count).index_add_(0, group, centred ** 2)  # [G, K]
+    std = (sq / (count - 1).clamp(min=1.0)).sqrt()  # [G, K]
+    scaled = (centred / (std[group] + eps)).masked_fill((count[group] < 2) | ~has, 0.0)  # [R, K]
+    summed = (scaled * weights.to(x)).sum(-1)  # [R]
+    ok = has.any(-1) if valid is None else valid.bool()  # [R]
+    kept = summed[ok]
+    n, tot, sq_sum = reduce(torch.stack([ok.double().sum(), kept.sum(), (kept ** 2).sum()]))  # all processes
+    mean = tot / n.clamp(min=1.0)
+    var = (sq_sum - tot ** 2 / n.clamp(min=1.0)) / (n - 1).clamp(min=1.0)  # Bessel, as torch.std
+    adv = (summed - mean) / (var.clamp(min=0.0).sqrt() + eps) if n > 1 else summed - mean
+    return adv.masked_fill(~ok, 0.0).float()
+
+
 def gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor, next_value: torch.Tensor,
         gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over segments of T steps, N at a time.

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,15 @@ class _Algo(BaseModel):
     implementation: ClassVar[Any] = None  # the algorithms.Algorithm subclass that runs it (set on registration)
 
     name: str
-    loss_aggregation: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """grpo: mean of per-sequence token means; dapo: mean over all tokens; dr_grpo: sum / (rows * max_new_tokens)."""
+    loss_aggregation: Literal["grpo", "dapo", "bnpo", "dr_grpo", "luspo"] = "grpo"
+    """grpo: mean of sequence token means; dapo = bnpo: token mean (2503.14476, 2506.02864); dr_grpo: token sum /
+    (rows * max_new_tokens) (2503.20783); luspo: mean of sequence token sums (2602.05261)."""
     beta: float = Field(0.0, ge=0)
     """KL penalty weight against the reference (adapter-disabled) model, k3 estimator; 0 skips it."""
+    ent_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus (TRL's entropy_coef; 0 skips the entropy gradient, which costs a full softmax)."""
+    mask_truncated_completions: bool = False
+    """Leave completions cut at max_new_tokens out of the loss (they still count in their group's baseline) (DAPO)."""
 
     def check(self, shape: BatchShape) -> str | None:
         """One line naming the key at fault when this algorithm cannot run on batches of `shape`, else None."""
@@ -70,8 +75,6 @@ class _ActorCritic(_Algo):
     """Normalise advantages to mean 0, std 1 over the batch's tokens."""
     vf_coef: float = Field(0.5, ge=0)
     """Weight of the value loss."""
-    ent_coef: float = Field(0.0, ge=0)
-    """Weight of the entropy bonus (0 skips the entropy gradient, which costs a full softmax)."""
     kl_in_reward: bool = False
     """With beta > 0: subtract beta * (log pi_old - log pi_ref) from each token's reward instead of a k3 KL loss."""
     critic_gain: float = Field(0.01, gt=0)
@@ -102,12 +105,50 @@ class GRPOConfig(_Clipped):
     """Advantage scaling: divide by the group's std, the batch's std, or not at all (Dr. GRPO)."""
     std_epsilon: float = Field(1e-4, gt=0)
     """Added to the std before dividing the advantages."""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """Weighted sum, then group scaling; or each component group-scaled, summed, batch-scaled (GDPO, 2601.05242)."""
+    surrogate: Literal["clip", "cispo", "sapo", "vespo"] = "clip"
+    """clip (PPO's); cispo: capped ratio x log-prob (2506.13585); sapo: soft gate (2511.20347); vespo (2602.10693)."""
+    delta: float | None = Field(None, gt=1)
+    """Cap on the ratio of negative-advantage tokens too (two-sided clip; INTELLECT-2, 2505.07291); null: off."""
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    """sapo's gate temperature for tokens with a positive advantage."""
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    """sapo's gate temperature for tokens with a zero or negative advantage."""
+    vespo_k_pos: float = Field(2.0, ge=0)
+    """vespo's gamma power k for a non-negative advantage."""
+    vespo_lambda_pos: float = Field(3.0, ge=0)
+    """vespo's gamma rate lambda for a non-negative advantage."""
+    vespo_k_neg: float = Field(3.0, ge=0)
+    """vespo's gamma power k for a negative advantage."""
+    vespo_lambda_neg: float = Field(2.0, ge=0)
+    """vespo's gamma rate lambda for a negative advantage."""
+    top_entropy_quantile: float = Field(1.0, ge=0, le=1)
+    """Train on the top share of a micro-batch's tokens by entropy (1: all; the paper uses 0.2; 2506.01939)."""
+    off_policy_mask_threshold: float | None = Field(None, gt=0)
+    """Drop negative-advantage rows whose mean KL(sampler || policy) exceeds it (DeepSeek-V3.2, 2512.02556)."""
 
     def check(self, shape: BatchShape) -> str | None:
         if shape.num_generations < 2:
             return ("config key 'rollout.num_generations': grpo compares completions within a group, "
                     f"so it needs at least 2 (got {shape.num_generations})")
         return None
+
+    @model_validator(mode="after")
+    def _keys_apply(self) -> GRPOConfig:
+        """A knob of another surrogate or aggregation set away from its default is an error, never
+        silently ignored (a saved config repeats every default, which is harmless)."""
+        owners = {"delta": "clip", **{k: "sapo" for k in ("sapo_temperature_pos", "sapo_temperature_neg")},
+                  **{f"vespo_{k}": "vespo" for k in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}}
+        changed = {k for k in self.model_fields_set if getattr(self, k) != type(self).model_fields[k].default}
+        for key, surrogate in owners.items():
+            if key in changed and self.surrogate != surrogate:
+                raise ValueError(f"config key 'algorithm.{key}' applies to algorithm.surrogate {surrogate}, "
+                                 f"not {self.surrogate}")
+        if self.multi_objective_aggregation == "normalize_then_sum" and "scale" in changed:
+            raise ValueError("config key 'algorithm.scale' does not apply with multi_objective_aggregation "
+                             "normalize_then_sum (each component is scaled by its group std, the sum by the batch std)")
+        return self
 
 
 @register_config

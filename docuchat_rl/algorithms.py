@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
-from .advantages import gae, group_advantages, nstep_returns, whiten
+from .advantages import decoupled_advantages, gae, group_advantages, nstep_returns, whiten
 from .algorithm_configs import ALGORITHMS, A2CConfig, GRPOConfig, PPOConfig
 from .batch import Batch
 from .distributed import no_reduce
 from .forward import PolicyOutput
-from .losses import (Normalisers, aggregate, clipped_surrogate, explained_variance, k3_kl, log_ratio, masked_mean,
-                     sampler_weights, value_loss)
+from .losses import (Normalisers, aggregate, cispo_surrogate, clipped_surrogate, explained_variance, high_entropy_mask,
+                     k3_kl, log_ratio, masked_mean, off_policy_keep, sampler_weights, sapo_surrogate, value_loss,
+                     vespo_weights)
 
 if TYPE_CHECKING:
     from .config import Config
@@ -90,8 +91,6 @@ class Algorithm:
     critic: torch.nn.Module | None = None
     #: the rollout-time log-probs are needed even for a single on-policy update (e.g. KL in the reward)
     needs_rollout_logps: bool = False
-    #: the loss differentiates through the entropy (an entropy bonus)
-    entropy_grad: bool = False
 
     def __init__(self, cfg: Config, hidden_size: int | None = None,
                  reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce):
@@ -99,6 +98,11 @@ class Algorithm:
             raise TypeError(f"{self.name} needs a {self.config_type.__name__}, got {type(cfg.algorithm).__name__}")
         self.cfg = cfg
         self.reduce = reduce  # sums over the processes of a data-parallel run
+
+    @property
+    def entropy_grad(self) -> bool:
+        """The loss differentiates through the entropy (an entropy bonus)."""
+        return self.cfg.algorithm.ent_coef > 0
 
     def needs(self) -> RolloutNeeds:
         """The no-grad passes before the update: old log-probs when the policy moves before the last
@@ -183,18 +187,73 @@ class Algorithm:
 @register_algorithm(GRPOConfig)
 class GRPO(Algorithm):
     """Group-relative advantages, the same for every token of a completion; no critic. Rows without a
-    reward value are left out of their group's baseline and get advantage 0."""
+    reward value are left out of their group's baseline and get advantage 0.
+
+    The loss is TRL 1.16's family, one knob at a time (each checked against TRL's own code in
+    tests/test_trl_losses.py): the per-token objective (`surrogate`: clip with the optional two-sided
+    `delta`, cispo, sapo, vespo), then the off-policy sequence mask, the high-entropy token mask, the
+    sampler correction (vespo folds it into its sequence weight instead), the KL term, the aggregation,
+    and the entropy bonus. Deliberate differences from TRL, each tested: cispo caps the ratio at
+    1 + epsilon_high (TRL: at epsilon_high, so TRL's 5.0 is 4.0 here); the off-policy mask reads the
+    sampler's own log-probs (TRL reads them only under vLLM, else the rollout policy's, which makes the
+    mask a no-op on one update per rollout); the entropy quantile is taken over this process's
+    micro-batch (TRL: over every process's); with that mask on, the entropy bonus is divided by the
+    minibatch's tokens, not the kept ones, so its size does not depend on the micro-batch.
+    """
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         a = self.cfg.algorithm
         adv, zero_std = group_advantages(batch.rewards, batch.group, a.scale, a.std_epsilon,
                                          valid=batch.reward_valid, reduce=self.reduce)  # [R], [groups]
+        if a.multi_objective_aggregation == "normalize_then_sum":
+            weights = torch.tensor([c.weight for c in self.cfg.rewards.components])  # [K]
+            adv = decoupled_advantages(batch.component_rewards, weights, batch.group, a.std_epsilon,
+                                       valid=batch.reward_valid, reduce=self.reduce)  # [R]
         batch.advantages = adv.unsqueeze(-1) * batch.completion_mask  # [R, T]
         n, zero = self.reduce(torch.tensor([float(zero_std.numel()), float(zero_std.sum())]))
         return {"zero_std_frac": float(zero / n.clamp(min=1.0))}
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
-        return self.policy_loss(out, mb, norm)
+        a, mask, adv = self.cfg.algorithm, mb.completion_mask, mb.advantages
+        old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
+        log_rho = log_ratio(out.logps, old, mask, a.ratio_level)  # [r, T] or [r, 1]
+        weights, metrics = self.sampler_correction(old, mb)  # [r, T] or None
+        row_adv = (adv * mask).sum(-1, keepdim=True)  # [r, 1]: the sign of each row's advantage
+        if a.surrogate == "clip":
+            per_token, low, high = clipped_surrogate(log_rho, adv, a.epsilon_low, a.epsilon_high, a.delta)
+            metrics["clip_low"] = masked_mean(low.float(), mask).detach()
+            metrics["clip_high"] = masked_mean(high.float(), mask).detach()
+        elif a.surrogate == "cispo":
+            per_token, capped = cispo_surrogate(log_rho, out.logps, adv, 1.0 + a.epsilon_high)
+            metrics["cispo_capped"] = masked_mean(capped.float(), mask).detach()
+        elif a.surrogate == "sapo":
+            per_token = sapo_surrogate(log_rho, adv, a.sapo_temperature_pos, a.sapo_temperature_neg)
+        else:  # vespo (the config's Literal admits nothing else)
+            log_sampler = None if weights is None else torch.log(weights.clamp(min=1e-8))
+            phi = vespo_weights(out.logps.detach() - old, row_adv, mask, log_sampler, a.vespo_k_pos,
+                                a.vespo_lambda_pos, a.vespo_k_neg, a.vespo_lambda_neg)  # [r, 1]
+            per_token = -phi * adv * out.logps  # [r, T]
+            metrics["vespo/phi_mean"] = masked_mean(phi.expand_as(mask), mask).detach()
+            weights = None  # folded into phi
+        if a.off_policy_mask_threshold is not None:
+            keep = off_policy_keep(row_adv, out.logps, mb.sampler_logps, mask, a.off_policy_mask_threshold)  # [r, 1]
+            per_token = per_token * keep
+            metrics["off_policy_masked"] = masked_mean(1.0 - keep.expand_as(mask), mask).detach()
+        trained = mask
+        if a.top_entropy_quantile < 1.0:
+            trained = high_entropy_mask(out.entropy, mask, a.top_entropy_quantile)  # [r, T]
+            per_token = per_token * trained
+        if weights is not None:
+            per_token = per_token * weights
+        per_token = self.kl_term(out, mb, per_token, metrics)
+        loss = aggregate(per_token, mask, a.loss_aggregation, norm)
+        if a.ent_coef > 0:  # the mean token entropy, whatever the aggregation (as TRL's entropy_coef)
+            loss = loss - a.ent_coef * aggregate(out.entropy, trained, "dapo", norm)
+        with torch.no_grad():
+            metrics["approx_kl_old"] = masked_mean(k3_kl(old, out.logps), mask).detach()
+            if out.entropy is not None:
+                metrics["entropy"] = masked_mean(out.entropy, mask).detach()
+        return loss, metrics
 
 
 class ValueHead(torch.nn.Module):
@@ -240,10 +299,6 @@ class ActorCritic(Algorithm):
     @property
     def needs_rollout_logps(self) -> bool:
         return self.cfg.algorithm.kl_in_reward and self.cfg.algorithm.beta > 0
-
-    @property
-    def entropy_grad(self) -> bool:
-        return self.cfg.algorithm.ent_coef > 0
 
     def returns_and_advantages(self, batch: Batch, rewards, dones) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages [R, T], returns [R, T]) from token rewards and dones and batch.values."""

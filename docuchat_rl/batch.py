@@ -25,9 +25,16 @@ class RowInfo:
     prompt_lens: tuple[int, ...]  # prompt tokens of each row
     completion_lens: tuple[int, ...]  # completion tokens of each row
     groups: tuple[int, ...]  # each row's group (the values of Batch.group)
+    trained: tuple[bool, ...]  # False: the row's tokens are out of the loss (completion_mask all 0)
 
     def take(self, rows: list[int]) -> RowInfo:
-        return RowInfo(*(tuple(v[r] for r in rows) for v in (self.prompt_lens, self.completion_lens, self.groups)))
+        return RowInfo(*(tuple(v[r] for r in rows)
+                         for v in (self.prompt_lens, self.completion_lens, self.groups, self.trained)))
+
+    @property
+    def loss_lens(self) -> tuple[int, ...]:
+        """The tokens each row puts into the loss (its completion, or none when it is not trained on)."""
+        return tuple(n if t else 0 for n, t in zip(self.completion_lens, self.trained))
 
 
 @dataclass
@@ -37,13 +44,14 @@ class Batch:
 
     input_ids: torch.Tensor  # [R, Lp + T] long
     attention_mask: torch.Tensor  # [R, Lp + T] long
-    completion_mask: torch.Tensor  # [R, T] float, 1.0 on completion tokens
+    completion_mask: torch.Tensor  # [R, T] float, 1.0 on the completion tokens the loss trains on
     prompt_width: int  # Lp
     rewards: torch.Tensor  # [R]
     group: torch.Tensor  # [R] long, group index within the step: the one source of truth for groups
     reward_valid: torch.Tensor  # [R] bool, False when no reward component had a value (kept out of baselines)
     sampler_logps: torch.Tensor  # [R, T] the sampler's log-prob of each completion token
     info: RowInfo  # host-side lengths and groups of the rows
+    component_rewards: torch.Tensor | None = None  # [R, K] each reward component's raw score, NaN where none
     advantages: torch.Tensor | None = None  # [R, T]
     old_logps: torch.Tensor | None = None  # [R, T]
     ref_logps: torch.Tensor | None = None  # [R, T]
@@ -101,9 +109,11 @@ class Batch:
 
 def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], rewards: list[float],
                 group: list[int], pad_id: int, sampler_logps: list[list[float]] | None = None,
-                reward_valid: list[bool] | None = None) -> Batch:
+                reward_valid: list[bool] | None = None, trained: list[bool] | None = None,
+                component_rewards: list[list[float]] | None = None) -> Batch:
     """Pad rows into a Batch. Groups must be contiguous and numbered 0, 1, ... in order (asserted here,
-    once: the shared-prompt forward and the advantage estimators read `group` and nothing else)."""
+    once: the shared-prompt forward and the advantage estimators read `group` and nothing else). A row
+    with `trained` False keeps its tokens (the forward sees them) but its completion mask is all 0."""
     if any(b not in (a, a + 1) for a, b in zip([-1] + group[:-1], group)) or (group and group[0] != 0):
         raise ValueError(f"rows must come in contiguous groups numbered 0, 1, ...; got {group}")
     lp = max(map(len, prompt_ids), default=0)  # (no rows: a process whose groups were all dropped)
@@ -113,15 +123,18 @@ def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], re
     att = torch.zeros((r, lp + t), dtype=torch.long)  # [R, Lp + T]
     cmask = torch.zeros((r, t))  # [R, T]
     slogps = torch.zeros((r, t))  # [R, T]
+    trained = [True] * r if trained is None else list(trained)
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
         ids[i, lp - len(p):lp] = torch.tensor(p)
         att[i, lp - len(p):lp + len(c)] = 1
         if c:
             ids[i, lp:lp + len(c)] = torch.tensor(c)
-            cmask[i, :len(c)] = 1.0
+            cmask[i, :len(c)] = float(trained[i])
             if sampler_logps is not None:
                 slogps[i, :len(c)] = torch.tensor(sampler_logps[i])
     valid = torch.ones(r, dtype=torch.bool) if reward_valid is None else torch.tensor(reward_valid, dtype=torch.bool)
-    info = RowInfo(tuple(map(len, prompt_ids)), tuple(map(len, completion_ids)), tuple(group))
+    info = RowInfo(tuple(map(len, prompt_ids)), tuple(map(len, completion_ids)), tuple(group), tuple(trained))
+    components = (None if component_rewards is None
+                  else torch.tensor(component_rewards, dtype=torch.float32).reshape(r, -1))  # [R, K]
     return Batch(ids, att, cmask, lp, torch.tensor(rewards, dtype=torch.float32),
-                 torch.tensor(group, dtype=torch.long), valid, slogps, info)
+                 torch.tensor(group, dtype=torch.long), valid, slogps, info, component_rewards=components)

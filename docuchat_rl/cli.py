@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     finally:
-        from .distributed import end_processes
+        if "torch.distributed" in sys.modules:  # (a command that never loaded torch started no processes)
+            from .distributed import end_processes
 
-        end_processes()  # (under a launcher: every process leaves the group before it exits)
+            end_processes()  # under a launcher: every process leaves the group before it exits

@@ -181,7 +181,7 @@ class Learner:
         """Forward and backward over one minibatch's micro-batches -> its loss summed over processes (the one
         read from the device per optimizer step, with the gradient norm)."""
         dist, cfg = self.dist, self.cfg
-        lens = batch.info.completion_lens[rows]
+        lens = batch.info.loss_lens[rows]
         n_rows, tokens = dist.sum_floats([float(len(lens)), float(sum(lens))])
         norm = Normalisers(rows=max(int(n_rows), 1), tokens=tokens, max_new_tokens=cfg.rollout.max_new_tokens)
         total = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)

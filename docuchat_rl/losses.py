@@ -15,6 +15,7 @@ plain torch gives the same memory bound on every device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -138,17 +139,22 @@ class Normalisers:
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: Normalisers) -> torch.Tensor:
     """Reduce a per-token loss [R, T] to a scalar, as one micro-batch's share of the minibatch loss.
 
-    grpo: mean over sequences of each sequence's token mean; dapo: mean over all tokens;
-    dr_grpo: token sum / (rows * max_new_tokens).
+    grpo: mean over sequences of each sequence's token mean; dapo: mean over all tokens; dr_grpo: token
+    sum / (rows * max_new_tokens); luspo: mean over sequences of each sequence's token sum (a sequence
+    weighs by its length). bnpo is dapo here: TRL's bnpo is the token mean of each process's micro-batch
+    (so it changes with the micro-batch size) and its dapo the token mean of the whole batch; every
+    aggregate here is normalised over the whole minibatch of all processes, so the two coincide.
     """
     masked = per_token * mask  # [R, T]
     if mode == "grpo":
         return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / norm.rows
-    if mode == "dapo":
+    if mode in ("dapo", "bnpo"):
         return masked.sum() / max(norm.tokens, 1.0)
     if mode == "dr_grpo":
         return masked.sum() / (norm.rows * norm.max_new_tokens)
-    raise ValueError(f"unknown loss aggregation {mode!r}; valid: grpo, dapo, dr_grpo")
+    if mode == "luspo":
+        return masked.sum() / norm.rows
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: grpo, dapo, bnpo, dr_grpo, luspo")
 
 
 def log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
@@ -161,17 +167,85 @@ def log_ratio(logps: torch.Tensor, old_logps: torch.Tensor, mask: torch.Tensor, 
     raise ValueError(f"unknown ratio level {level!r}; valid: token, sequence")
 
 
-def clipped_surrogate(log_rho: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
+def clipped_surrogate(log_rho: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float,
+                      delta: float | None = None):
     """PPO's pessimistic clipped objective as a per-token loss, and where each clip side is active.
+    `delta` (two-sided clipping, INTELLECT-2) also caps the unclipped ratio, which bounds the loss of a
+    negative-advantage token whose ratio has grown large.
 
     log_rho [R, T] or [R, 1]; adv [R, T] -> (loss [R, T], low_clipped [R, T], high_clipped [R, T])
     """
     rho = torch.exp(log_rho)  # [R, T] or [R, 1]
     clipped = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high)
-    loss = -torch.min(rho * adv, clipped * adv)  # [R, T]
+    capped = rho if delta is None else rho.clamp(max=delta)
+    loss = -torch.min(capped * adv, clipped * adv)  # [R, T]
     low = (rho < 1.0 - eps_low) & (adv < 0)  # the clip binds on the low side
     high = (rho > 1.0 + eps_high) & (adv > 0)
     return loss, low.expand_as(loss), high.expand_as(loss)
+
+
+def cispo_surrogate(log_rho: torch.Tensor, logps: torch.Tensor, adv: torch.Tensor, cap: float):
+    """CISPO (MiniMax-M1): -sg(min(rho, cap)) * A * log pi. The ratio is a detached weight, so a token
+    whose ratio passed the cap still gets a gradient (the clipped surrogate gives it none).
+
+    log_rho [R, T] or [R, 1]; logps, adv [R, T] -> (loss [R, T], capped [R, T]: cap binding with A > 0)
+    """
+    rho = torch.exp(log_rho)
+    loss = -rho.clamp(max=cap).detach() * adv * logps  # [R, T]
+    return loss, ((rho > cap) & (adv > 0)).expand_as(loss)
+
+
+def sapo_surrogate(log_rho: torch.Tensor, adv: torch.Tensor, t_pos: float, t_neg: float) -> torch.Tensor:
+    """SAPO: a soft gate instead of a hard clip, -sigmoid(tau (rho - 1)) * 4 / tau * A, with tau by the
+    advantage's sign; its gradient is A * rho * sech^2(tau (rho - 1) / 2), 1 at rho = 1, fading off-policy.
+
+    log_rho [R, T] or [R, 1]; adv [R, T] -> loss [R, T]
+    """
+    tau = torch.where(adv > 0, t_pos, t_neg)  # [R, T]
+    return -torch.sigmoid(tau * (torch.exp(log_rho) - 1.0)) * 4.0 / tau * adv
+
+
+def vespo_weights(token_log_rho: torch.Tensor, row_adv: torch.Tensor, mask: torch.Tensor,
+                  log_sampler_weights: torch.Tensor | None, k_pos: float, lam_pos: float, k_neg: float,
+                  lam_neg: float) -> torch.Tensor:
+    """VESPO's gamma weight of each sequence, phi(w) = exp(lam) * w^k * exp(-lam w) (phi(1) = 1), from the
+    sequence ratio w = exp(sum of token log-ratios) (times the sampler correction when given), k and lam
+    by the sign of the row's advantage; detached, computed in log space, clamps as the paper's code.
+
+    token_log_rho, mask [R, T]; row_adv [R, 1]; log_sampler_weights [R, T] or None -> phi [R, 1]
+    """
+    with torch.no_grad():
+        floor = math.log(1e-8)
+        seq = (token_log_rho.clamp(-20.0, 20.0) * mask).sum(-1, keepdim=True)  # [R, 1]
+        if log_sampler_weights is not None:
+            seq = seq + (log_sampler_weights.clamp(floor, 20.0) * mask).sum(-1, keepdim=True)
+        log_w = seq.clamp(floor, 20.0)  # [R, 1]
+        nonneg = row_adv >= 0
+        k = torch.where(nonneg, k_pos, k_neg)
+        lam = torch.where(nonneg, lam_pos, lam_neg).clamp(min=1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))  # [R, 1]
+        return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def off_policy_keep(row_adv: torch.Tensor, logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor,
+                    threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask: keep a row when its advantage is >= 0 or its mean
+    per-token KL(sampler || policy), estimated as log pi_sampler - log pi, is at most `threshold`.
+
+    row_adv [R, 1]; logps, sampler_logps, mask [R, T] -> keep [R, 1] float (1 keep, 0 drop)
+    """
+    kl = ((sampler_logps - logps.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((row_adv >= 0) | (kl <= threshold)).to(mask.dtype)  # [R, 1]
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, keep: float) -> torch.Tensor:
+    """The tokens whose entropy is at or above the (1 - keep) quantile of the real tokens' entropies
+    ("Beyond the 80/20 rule": train on the forking tokens). entropy, mask [R, T] -> float [R, T]"""
+    real = entropy.detach()[mask.bool()].float()  # [N]
+    if real.numel() == 0:
+        return torch.zeros_like(mask)
+    cut = torch.quantile(real, 1.0 - keep)
+    return ((entropy.detach() >= cut) & mask.bool()).to(mask.dtype)  # [R, T]
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -81,14 +81,19 @@ class Rollout:
         the group global_groups[k])."""
         return sorted({c.group for c in self.used})
 
-    def batch(self, pad_id: int) -> Batch:
+    def batch(self, pad_id: int, mask_truncated: bool = False) -> Batch:
         """The used completions as tensors, groups contiguous in sampling order and numbered from 0 on
-        this process (no rows when dynamic sampling kept none of this process's groups)."""
+        this process (no rows when dynamic sampling kept none of this process's groups); with
+        `mask_truncated`, completions cut at max_new_tokens are out of the loss (not of their group)."""
         used = self.used
         local = {g: k for k, g in enumerate(self.global_groups)}
+        nan = float("nan")
         return build_batch([c.prompt_ids for c in used], [c.ids for c in used], [c.reward.total for c in used],
                            [local[c.group] for c in used], pad_id, sampler_logps=[c.sampler_logps for c in used],
-                           reward_valid=[not c.reward.total_missing for c in used])
+                           reward_valid=[not c.reward.total_missing for c in used],
+                           trained=[not (mask_truncated and c.truncated) for c in used],
+                           component_rewards=[[nan if r.raw is None or r.error else r.raw
+                                               for r in c.reward.components.values()] for c in used])
 
     def trace_records(self, step: int, run_id: str, per_row: dict[str, list]) -> list[tuple[int, TraceRecord]]:
         """One (slot, trace record) per completion; `per_row` holds the algorithm's trace fields for the

@@ -76,7 +76,8 @@ class Trainer:
         if not rollout.groups_used:
             raise TrainingError("dynamic sampling found no group with varied rewards in "
                                 f"{self.cfg.rollout.max_resample_rounds + 1} rounds")
-        return rollout.batch(self.run.tokenizer.pad_token_id).to(self.dist.device)
+        return rollout.batch(self.run.tokenizer.pad_token_id,
+                             self.cfg.algorithm.mask_truncated_completions).to(self.dist.device)
 
     def advantages(self, batch: Batch, timer: Timer) -> dict[str, float]:
         """The no-grad passes the algorithm needs (old and reference log-probs, values), then its advantages."""

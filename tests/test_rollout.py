@@ -22,3 +22,24 @@ def test_differing_valid_rewards_make_a_group_varied():
     records[0].total, records[1].total = 1.0, 0.0
     assert rewards_varied(records)
     assert not rewards_varied(records[:1])  # one valid reward compares with nothing
+
+
+def test_truncated_completions_stay_in_their_group_but_out_of_the_loss():
+    """mask_truncated_completions: the cut completion's tokens are in the batch (its group's baseline
+    still counts its reward) but not in the completion mask nor in the loss's token count."""
+    from docuchat_rl.data import Example
+    from docuchat_rl.rollout import Completion, Rollout
+
+    comp = CompositeReward([{"name": "tests.user_rewards:length_over", "weight": 2.0}])
+    records = comp(["Q"] * 2, ["a", "bb"]).records
+    ex = Example(0, "Q", "1")
+    rows = [Completion(ex, 0, i, [5, 6], ids, [-0.5] * len(ids), "t", cut, rec, True, 0)
+            for i, (ids, cut, rec) in enumerate(zip([[1, 2, 3], [4, 2]], [True, False], records))]
+    rollout = Rollout(rows, prompts_sampled=1, groups_used=1)
+    for masked in (False, True):
+        batch = rollout.batch(pad_id=0, mask_truncated=masked)
+        assert batch.completion_mask.sum(-1).tolist() == ([0.0, 2.0] if masked else [3.0, 2.0])
+        assert batch.info.completion_lens == (3, 2)  # the tokens are there (the forward sees them)
+        assert batch.info.loss_lens == ((0, 2) if masked else (3, 2))
+        assert batch.component_rewards.tolist() == [[r.components[name].raw for name in r.components]
+                                                    for r in records]

@@ -1,6 +1,7 @@
 """End-to-end runs of the real trainer on the committed tiny model: schema, exact resume, bad inputs."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -367,3 +368,22 @@ def test_steps_without_a_learning_signal_are_said_while_they_happen(tmp_path, ca
     for step in (1, 2):
         assert f"step {step}: the rewards agreed within every group" in err
         assert f"step {step}: 100% of the completions were cut at rollout.max_new_tokens" in err
+
+
+@pytest.mark.parametrize("extra,metric", [
+    (["algorithm.surrogate=cispo", "algorithm.mask_truncated_completions=true",
+      "algorithm.multi_objective_aggregation=normalize_then_sum", "algorithm.ent_coef=0.01"], "cispo_capped"),
+    (["algorithm.surrogate=vespo", "algorithm.top_entropy_quantile=0.2",
+      "algorithm.off_policy_mask_threshold=0.5"], "off_policy_masked"),
+], ids=["cispo-gdpo-masked", "vespo-entropy-mask"])
+def test_trl_loss_knobs_run_through_the_trainer(tmp_path, extra, metric):
+    t = Trainer(cfg_for(tmp_path, "run.steps=2", "rollout.max_new_tokens=24", *extra))
+    history = t.train()
+    t.close()
+    assert all(math.isfinite(h["loss"]) for h in history)
+    assert metric in history[-1]
+    traces = read_jsonl(tmp_path / "traces.jsonl")
+    cut = [r for r in traces if r["truncated"] and r["used"]]
+    if "algorithm.mask_truncated_completions=true" in extra:
+        assert cut  # (24 new tokens cut some) and their rows are traced, with their group's advantage
+        assert all(r["advantage"] == 0.0 for r in cut)  # no token of theirs is trained on
