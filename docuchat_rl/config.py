@@ -81,9 +81,9 @@ class DataConfig(Section):
     revision: str | None = None
     """Hub data set revision."""
     prompt_column: str = "question"
-    """Column holding the prompt text."""
-    answer_column: str = "answer"
-    """Column holding the gold answer (GSM8K '#### N' endings are reduced to N)."""
+    """Column holding the prompt: text, or a list of {role, content} messages (TRL's conversational form)."""
+    answer_column: str | None = "answer"
+    """Column holding the gold answer (GSM8K '#### N' endings are reduced to N); null: the data has none."""
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     """System message put before every prompt through the chat template (null for none)."""
     max_prompt_tokens: int = Field(512, ge=1)

@@ -2,10 +2,12 @@
 
 A data set is any table with a prompt column and an answer column (names set in config). GSM8K-style
 answers ("... #### 72") are reduced to their final answer for scoring by `rewards.correctness.gold_of`,
-the one rule used everywhere. Prompts are rendered through the tokenizer's chat template with the
-configured system prompt. `PromptSampler` gives the data order (epoch-wise permutations).
+the one rule used everywhere. A prompt is either text (one user turn) or, as in TRL's conversational
+data sets, a list of `{"role", "content"}` messages (any turns); both are rendered through the
+tokenizer's chat template, with the configured system prompt put first when the messages carry none.
+`PromptSampler` gives the data order (epoch-wise permutations).
 
-Deliberately left out: streaming data sets and multi-turn prompts (one user turn per prompt).
+Deliberately left out: streaming data sets; tool calls and images inside messages (text content only).
 """
 
 from __future__ import annotations
@@ -40,14 +42,21 @@ def reasoning_target(answer: str) -> str:
     return "<think>\n" + "\n".join(lines) + "\n</think>\n<answer>" + (gold_of(answer) or "") + "</answer>"
 
 
-def render_prompt(tokenizer: Any, question: str, system_prompt: str | None) -> str:
-    """The model-ready prompt text: the chat template with the generation prompt appended."""
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": question})
+def render_prompt(tokenizer: Any, question: str, system_prompt: str | None,
+                  messages: tuple[dict, ...] | None = None) -> str:
+    """The model-ready prompt text: the chat template with the generation prompt appended. `messages`
+    (a conversational prompt) replaces the one user turn `question`; the system prompt goes first
+    unless the messages already start with their own."""
+    turns = list(messages) if messages else [{"role": "user", "content": question}]
+    if system_prompt and turns[0]["role"] != "system":
+        turns.insert(0, {"role": "system", "content": system_prompt})
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     # A base model with no template: plain text, the system prompt as a preamble.
-    return (f"{system_prompt}\n\n" if system_prompt else "") + f"Question: {question}\nAnswer: "
+    system = "".join(f"{t['content']}\n\n" for t in turns if t["role"] == "system")
+    body = "".join(f"{'Question' if t['role'] == 'user' else 'Answer'}: {t['content']}\n"
+                   for t in turns if t["role"] != "system")
+    return system + body + "Answer: "
 
 
 @dataclass(frozen=True)
@@ -55,9 +64,10 @@ class Example:
     """One prompt of the data set as the trainer sees it."""
 
     prompt_id: int  # row index in the (unshuffled) split
-    question: str
+    question: str  # the prompt's text (a conversational prompt's last user turn)
     answer: str  # the gold final answer used for scoring ("" when the row has none)
     columns: dict = field(default_factory=dict)  # the row's other columns, passed on to the rewards
+    messages: tuple[dict, ...] | None = None  # a conversational prompt's messages, as the data set gave them
 
 
 def load_table(source: str, split: str, revision: str | None = None, subset: str | None = None):
@@ -96,21 +106,37 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
     """Rows of a data set as `Example`s, in file order; missing columns fail naming them."""
     table = load_table(source, split, revision, subset)
     for role, col in (("prompt_column", prompt_column), ("answer_column", answer_column)):
-        if col not in table.column_names:
+        if col is not None and col not in table.column_names:
             raise DataError(f"{source}: column {col!r} (data.{role}) not found; "
                             f"columns are {table.column_names}")
     if limit is not None:
         table = table.select(range(min(limit, len(table))))
     out = []
     for i, row in enumerate(table):
-        q, a = row[prompt_column], row[answer_column]
+        q, a = row[prompt_column], (row[answer_column] if answer_column is not None else None)
+        messages = _messages(q, f"{source}: row {i} column {prompt_column!r}") if isinstance(q, list) else None
+        if messages is not None:
+            q = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
         if q is None or not str(q).strip():
             raise DataError(f"{source}: row {i} has an empty {prompt_column!r}")
         a = "" if a is None else str(a)
         extra = {k: v for k, v in row.items() if k != prompt_column}  # (the answer column under its own name
         # too, raw, as TRL passes it: `def accuracy_reward(completions, solution, **kw)` reads `solution`)
-        out.append(Example(prompt_id=i, question=str(q), answer=gold_of(a) or "", columns=extra))
+        out.append(Example(prompt_id=i, question=str(q), answer=gold_of(a) or "", columns=extra, messages=messages))
     return out
+
+
+def _messages(value: list, where: str) -> tuple[dict, ...]:
+    """A conversational prompt's messages, checked: a non-empty list of {"role", "content"} with text
+    content and a role among system/user/assistant."""
+    if not value:
+        raise DataError(f"{where}: an empty list of messages")
+    for j, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or \
+                m.get("role") not in ("system", "user", "assistant"):
+            raise DataError(f"{where}: message {j} is not a {{'role': system|user|assistant, 'content': text}} "
+                            f"message: {str(m)[:80]}")
+    return tuple({"role": m["role"], "content": m["content"]} for m in value)
 
 
 def load_split(d: DataConfig, which: str, limit: int | None = None) -> list[Example]:

@@ -86,7 +86,7 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
     """Greedy completions (and k samples each for pass@k) of `examples`, the rows `first`, first + 1, ...
     of the held-out set, scored."""
     e, r, acc_name = cfg.eval, cfg.rollout, cfg.rewards.accuracy_component
-    prompts = [render_prompt(tokenizer, x.question, cfg.data.system_prompt) for x in examples]
+    prompts = [render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages) for x in examples]
 
     def merged():  # a fresh context each time: one sampling pass per `with`
         return merged_adapter(model) if r.merge_adapter else contextlib.nullcontext()

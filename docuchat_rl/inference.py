@@ -63,7 +63,7 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
     from .scoring import score
     from .traces import completion_fields
 
-    prompts = [render_prompt(tok, e.question, cfg.data.system_prompt) for e in examples]
+    prompts = [render_prompt(tok, e.question, cfg.data.system_prompt, e.messages) for e in examples]
     ctx = model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
     with ctx:
         gen = generate(model, tok, prompts, max_new_tokens=max_new_tokens or cfg.rollout.max_new_tokens,

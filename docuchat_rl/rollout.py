@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rewards import CompositeReward
 from rewards.composite import RewardRecord
@@ -70,6 +70,7 @@ class Rollout:
     completions: list[Completion]
     prompts_sampled: int
     groups_used: int
+    reward_metrics: dict[str, list[float]] = field(default_factory=dict)  # user functions' log_metric values
 
     @property
     def used(self) -> list[Completion]:
@@ -131,8 +132,8 @@ class Collector:
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
                  reward: CompositeReward, sampler: PromptSampler, seed: int = 0, dist: Dist | None = None,
-                 lockstep=None):
-        self.cfg, self.tokenizer, self.examples = cfg, tokenizer, examples
+                 lockstep=None, max_steps: int = 0):
+        self.cfg, self.tokenizer, self.examples, self.max_steps = cfg, tokenizer, examples, max_steps
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
         self.dist = dist or Dist()
         self.lockstep = lockstep  # sharded generation: every process makes the same model calls (generation.py)
@@ -154,6 +155,7 @@ class Collector:
         """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""
         r, g, dist = self.cfg, self.cfg.num_generations, self.dist
         completions: list[Completion] = []
+        logged: dict[str, list[float]] = {}
         kept = rounds = sampled = 0  # over all processes
         while True:
             n = r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step
@@ -167,7 +169,10 @@ class Collector:
                     gen, texts = self.sample(model, idx, seeds)
             if idx:
                 with timer("score"):
-                    records = score(self.reward, examples, texts, gen).records
+                    result = score(self.reward, examples, texts, gen, self.trainer_state(step))
+                records = result.records
+                for key, values in result.metrics.items():
+                    logged.setdefault(key, []).extend(values)
                 varied = [g == 1 or rewards_varied(records[p * g:(p + 1) * g]) for p in range(len(idx))]
             if not r.dynamic_sampling:
                 varied = [True] * n  # every group is used
@@ -189,4 +194,14 @@ class Collector:
             sampled += n
             rounds += 1
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
-                return Rollout(completions, sampled, kept)
+                return Rollout(completions, sampled, kept, logged)
+
+    def trainer_state(self, step: int):
+        """What TRL passes reward functions as `trainer_state` (for shaping by training progress): a
+        transformers.TrainerState with the steps completed before this one, the run's steps and the
+        epoch reached in the data (fractional)."""
+        from transformers import TrainerState
+
+        n = max(self.sampler.n, 1)
+        return TrainerState(global_step=step - 1, max_steps=self.max_steps,
+                            epoch=self.sampler.epoch + self.sampler.position / n)

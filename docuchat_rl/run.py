@@ -222,7 +222,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     examples = examples if examples is not None else load_split(cfg.data, "train")
     if not examples:
         raise DataError(f"{cfg.data.train}: no training rows")
-    prompt_texts = [render_prompt(tokenizer, e.question, cfg.data.system_prompt) for e in examples]
+    prompt_texts = [render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages) for e in examples]
     _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
     reward = build_reward(cfg.rewards)
     state = TrainerState(step=0, run_id=dist.gather([uuid.uuid4().hex[:12]])[0])  # the main process's id
@@ -241,7 +241,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     learner = Learner(cfg, model, algo, params, optimizer, scheduler, place.accelerator, dist,
                       tokenizer.pad_token_id, chunk, bool(place.sharded_layers), state.nonfinite_streak)
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
-                          place.lockstep)
+                          place.lockstep, max_steps=cfg.run.steps)
     wandb_run = None
     if cfg.logging.wandb and dist.is_main:
         import wandb

@@ -30,7 +30,15 @@ def build_reward(cfg: RewardsConfig, with_format: bool = False) -> CompositeRewa
     return CompositeReward(specs, strict=cfg.strict, timeout_s=cfg.timeout_s)
 
 
-def score(reward: CompositeReward, examples: list[Example], texts: list[str], gen: Generation) -> BatchResult:
-    """The composite reward of each completion; `examples` holds each completion's example (repeated)."""
+def score(reward: CompositeReward, examples: list[Example], texts: list[str], gen: Generation,
+          trainer_state: object | None = None) -> BatchResult:
+    """The composite reward of each completion; `examples` holds each completion's example (repeated).
+    `trainer_state` (training: a transformers.TrainerState, as TRL passes) reaches the rewards by name."""
     columns = reward_inputs(examples, [len(c) for c in gen.completion_ids], gen.truncated)
+    if trainer_state is not None:
+        columns["trainer_state"] = trainer_state
+    if any(e.messages for e in examples):  # a conversational data set: TRL's shapes (our rewards read either)
+        prompts: list = [list(e.messages or [{"role": "user", "content": e.question}]) for e in examples]
+        completions: list = [[{"role": "assistant", "content": t}] for t in texts]
+        return reward(prompts, completions, completion_ids=gen.completion_ids, **columns)
     return reward([e.question for e in examples], texts, completion_ids=gen.completion_ids, **columns)

@@ -99,8 +99,13 @@ class Trainer:
             records = [rec for _, rec in sorted(pairs, key=lambda pair: pair[0])]  # one-process order (stable)
             if run.outputs.traces is not None:
                 run.outputs.traces.write([r.to_json() for r in records])
+        logged: dict[str, list[float]] = {}  # what user reward functions logged (log_metric), every process
+        for key, values in self.dist.gather(list(rollout.reward_metrics.items())):
+            logged.setdefault(key, []).extend(values)
         m = {"step": step, **step_metrics(records, run.reward.names, self.cfg.rewards.accuracy_component),
              "prompts_sampled": rollout.prompts_sampled, "groups_used": rollout.groups_used, "kl": None, **metrics}
+        for key, values in logged.items():  # (under "user/<name>" where the name is one of ours)
+            m[key if key not in m else f"user/{key}"] = sum(values) / len(values)
         rollout_s = float(self.dist.max(torch.tensor([timer.seconds.get("rollout", 0.0)])))
         m["rollout_tokens_per_s"] = float(sum(r.completion_tokens for r in records) / rollout_s) if rollout_s else None
         for phase, s in timer.seconds.items():

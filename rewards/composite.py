@@ -60,6 +60,7 @@ class BatchResult:
     records: list[RewardRecord]
     errors: dict[str, int] = field(default_factory=dict)  # failed completions per component
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per component
+    metrics: dict[str, list[float]] = field(default_factory=dict)  # what user functions logged (log_metric)
 
     @property
     def totals(self) -> list[float]:
@@ -119,6 +120,8 @@ class CompositeReward:
             try:
                 scores = self._call(reward, prompts, completions, columns)
                 batch_error = None
+                for key, values in getattr(reward, "logged_metrics", {}).items():
+                    result.metrics.setdefault(key, []).extend(values)
             except Exception as e:  # isolation: any failure of a user's reward is recorded, not raised
                 if self.strict:
                     raise RewardFailure(f"reward {name!r} failed: {type(e).__name__}: {e}") from e

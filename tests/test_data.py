@@ -70,3 +70,32 @@ def test_render_without_chat_template_falls_back_to_plain_text():
         chat_template = None
 
     assert render_prompt(Plain(), "Q?", "Be brief.") == "Be brief.\n\nQuestion: Q?\nAnswer: "
+
+
+def test_conversational_prompts_load_as_messages_and_render_through_the_template(tmp_path):
+    """TRL's conversational form: the prompt column holds {role, content} messages; no answer column."""
+    from transformers import AutoTokenizer
+
+    from .conftest import MODEL
+
+    rows = [{"prompt": [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "1 + 1?"},
+                        {"role": "assistant", "content": "2"}, {"role": "user", "content": "And 2 + 2?"}],
+             "level": 1},
+            {"prompt": [{"role": "user", "content": "3 + 3?"}], "level": 2}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ex = load_examples(str(path), "train", "prompt", None)
+    assert [e.question for e in ex] == ["And 2 + 2?", "3 + 3?"]  # the last user turn (traces, our rewards)
+    assert ex[0].messages == tuple(rows[0]["prompt"]) and ex[0].answer == "" and ex[0].columns == {"level": 1}
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    own_system = render_prompt(tok, ex[0].question, "Default system.", ex[0].messages)
+    assert own_system == tok.apply_chat_template(rows[0]["prompt"], tokenize=False, add_generation_prompt=True)
+    added = render_prompt(tok, ex[1].question, "Default system.", ex[1].messages)
+    assert added == render_prompt(tok, "3 + 3?", "Default system.")  # one user turn: as a text prompt
+
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}, {"role": "tool", "content": 3}]}))
+    with pytest.raises(DataError, match="row 0 column 'prompt': message 1 is not a"):
+        load_examples(str(path), "train", "prompt", None)
+    path.write_text(json.dumps({"prompt": []}) + "\n")
+    with pytest.raises(DataError, match="row 0 column 'prompt': an empty list of messages"):
+        load_examples(str(path), "train", "prompt", None)

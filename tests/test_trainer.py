@@ -341,6 +341,55 @@ def test_reward_functions_written_as_trl_documents_them_score_in_a_real_run(tmp_
     assert len({r["advantage"] for r in traces}) > 1  # the rewards varied, so the step trained on them
 
 
+def test_a_conversational_data_set_gives_trls_message_shapes_to_reward_functions(tmp_path):
+    """A TRL conversational data set (the prompt column holds messages, no answer column): user functions
+    get prompts as message lists and completions as `[{"role": "assistant", "content": ...}]`, as TRL
+    passes them; our own rewards read the same shapes; the trace shows the last user turn."""
+    import importlib
+
+    user = importlib.import_module("tests.user_rewards")
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": [{"role": "system", "content": "Answer briefly."},
+                        {"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(1, 5)]
+    rows[0]["prompt"] = rows[0]["prompt"][1:]  # one prompt without its own system message
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    names = ["conversational_len", "system_turns"]
+    rewards = "rewards=[" + ", ".join(f"{{name: 'tests.user_rewards:{n}'}}" for n in names) + ", {name: format}]"
+    t = Trainer(cfg_for(tmp_path / "run", "run.steps=1", f"data.train={data}", "data.prompt_column=prompt",
+                        "data.answer_column=null", "data.test=null", "rollout.prompts_per_step=4", rewards,
+                        "rewards.accuracy_component=null", "rollout.max_new_tokens=24"))
+    t.train()
+    t.close()
+    traces = read_jsonl(tmp_path / "run" / "traces.jsonl")
+    assert len(traces) == 16 and not any(r["total_missing"] for r in traces)
+    for r in traces:
+        got = {n: r["rewards"][f"tests.user_rewards:{n}"] for n in names}
+        assert all(g["error"] is None for g in got.values()), got
+        messages = rows[r["prompt_id"]]["prompt"]
+        assert r["prompt"] == messages[-1]["content"]
+        assert got["conversational_len"]["raw"] == user.conversational_len(
+            completions=[[{"role": "assistant", "content": r["completion"]}]])[0]
+        assert got["system_turns"]["raw"] == user.system_turns(prompts=[messages], completions=[None])[0]
+        assert r["rewards"]["format"]["error"] is None
+
+
+def test_trls_trainer_state_log_extra_and_log_metric_reach_reward_functions(tmp_path):
+    """`trainer_state` (steps completed, max steps), `log_extra` (into the completion's trace) and
+    `log_metric` (into the step's metrics record, never over one of ours), as TRL passes them."""
+    t = Trainer(cfg_for(tmp_path, "run.steps=2", "rewards=[{name: 'tests.user_rewards:uses_trl_hooks'}, "
+                        "{name: correctness}]", "rollout.max_new_tokens=16"))
+    t.train()
+    t.close()
+    traces, metrics = read_jsonl(tmp_path / "traces.jsonl"), read_jsonl(tmp_path / "metrics.jsonl")
+    for r in traces:
+        got = r["rewards"]["tests.user_rewards:uses_trl_hooks"]
+        assert got["raw"] == r["step"] - 1 + 0.02 and got["info"] == {"chars": len(r["completion"])}
+    for m in metrics:
+        chars = [len(r["completion"]) for r in traces if r["step"] == m["step"]]
+        assert m["mean_chars"] == pytest.approx(sum(chars) / len(chars))
+        assert m["user/loss"] == -1.0 and m["loss"] != -1.0
+
+
 def test_a_reward_failing_everywhere_is_said_at_once_and_stops_the_run(tmp_path, capsys):
     """A component failing on every completion prints one line naming it and its error; when no component
     gives any completion a value for rewards.max_failed_steps steps, the run stops in one line."""

@@ -70,3 +70,21 @@ def token_count(completion_ids, **kwargs):
 def only_named(completions, solution):
     """No **kwargs: gets only what it names."""
     return [float(len(c) > len(str(s))) for c, s in zip(completions, solution)]
+
+
+def conversational_len(completions, **kwargs):
+    """TRL's conversational form: each completion is a list of messages, `completion[0]["content"]`."""
+    return [-abs(20 - len(completion[0]["content"])) for completion in completions]
+
+
+def system_turns(prompts, completions, **kwargs):
+    """Reads a conversational prompt's messages (a list of {role, content} per completion)."""
+    return [float(sum(m["role"] == "system" for m in p)) + len(p) / 10 for p in prompts]
+
+
+def uses_trl_hooks(completions, trainer_state, log_extra, log_metric, **kwargs):
+    """TRL's extra keywords: the trainer's state, a per-completion column and a scalar metric."""
+    log_extra("chars", [len(c) for c in completions])
+    log_metric("mean_chars", sum(len(c) for c in completions) / len(completions))
+    log_metric("loss", -1.0)  # one of the trainer's own names: logged beside it, not over it
+    return [float(trainer_state.global_step) + trainer_state.max_steps / 100 for _ in completions]
