@@ -48,6 +48,24 @@ def trace_files(path: str | Path) -> list[Path]:
     return [p]
 
 
+def eval_records(sources: list[str | Path]) -> list[dict]:
+    """The held-out evaluations (`eval.jsonl`) beside the given runs' traces, in file order; lines that
+    do not parse are skipped (a run killed mid-write)."""
+    out = []
+    for src in sources:
+        p = Path(src)
+        path = (p if p.is_dir() else p.parent) / "eval.jsonl"
+        if path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                    out.append(rec)
+    return out
+
+
 def _q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
@@ -65,6 +83,7 @@ class Finding:
     detail: str
     threshold: str
     examples: list[dict] = field(default_factory=list)
+    trace: dict | None = None  # when fired: one whole trace record the check points at (the report shows it)
 
 
 class TraceStore:
@@ -223,6 +242,8 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
     def ex(where: str, sort: str = "step DESC") -> list[dict]:
         return store.select(where, sort, examples, "step, prompt_id, completion, total, completion_tokens")
 
+    traced: dict[str, tuple[str, str]] = {}  # check -> (where, sort) of the trace to show when it fires
+
     span = f"steps {first[0]}-{first[1]} vs {last[0]}-{last[1]}"
     if {accuracy, format_name} <= set(store.components) and len(ranges) > 1:
         f0, f1 = mean(f"{_q(format_name)}.raw", first), mean(f"{_q(format_name)}.raw", last)
@@ -235,6 +256,8 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
                 f"{format_name} rise >= {min_rise} and {accuracy} fall >= {min_fall}",
                 ex(f"step >= {last[0]} AND {_q(format_name)}.raw > 0 AND {_q(accuracy)}.raw = 0")
                 if fired else []))
+            traced["format_up_correctness_down"] = (
+                f"step >= {last[0]} AND {_q(format_name)}.raw > 0 AND {_q(accuracy)}.raw = 0", "step DESC")
     if len(ranges) > 1:
         r0, r1 = mean("total", first), mean("total", last)
         l0, l1 = mean("completion_tokens", first), mean("completion_tokens", last)
@@ -251,12 +274,17 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
                 f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
                 f"reward rise >= {min_rise} with length growing by {length_ratio}x",
                 ex(f"step >= {last[0]}", "completion_tokens DESC") if rising and ratio >= length_ratio else []))
+            traced["length_collapse"] = (f"step >= {last[0]}", "completion_tokens ASC")
+            traced["length_growth"] = (f"step >= {last[0]}", "completion_tokens DESC")
         rep0, _ = _repetition(store, first)
         rep1, worst = _repetition(store, last, examples)
         findings.append(Finding(
             "repetition_creep", rep1 - rep0 >= repetition_rise,
             f"share of repeated word 3-grams {rep0:.3f} -> {rep1:.3f} ({span})",
             f"rise >= {repetition_rise}", worst if rep1 - rep0 >= repetition_rise else []))
+        if worst:
+            traced["repetition_creep"] = (f"step = {worst[0]['step']} AND completion = {_lit(worst[0]['completion'])}",
+                                          "sample")
     cut = mean("CAST(truncated AS DOUBLE)", last)
     if cut is not None:
         findings.append(Finding(
@@ -264,6 +292,8 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
             f"{cut:.1%} of the completions of steps {last[0]}-{last[1]} hit max_new_tokens",
             f"share >= {truncated_share:.0%} (rewards judge unfinished completions)",
             ex(f"step >= {last[0]} AND truncated", "step DESC") if cut >= truncated_share else []))
+        traced["truncated"] = (f"step >= {last[0]} AND truncated", "step DESC")
+    _zero_spread(store, findings, traced, no_signal_share)
     for c in store.components:
         q = _q(c)
         groups, constant = store.con.execute(
@@ -276,6 +306,7 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
                 f"no_signal:{c}", share >= no_signal_share,
                 f"{c} is constant within {constant} of {groups} groups ({share:.1%})",
                 f"constant in >= {no_signal_share:.0%} of groups (no advantage signal)"))
+            traced[f"no_signal:{c}"] = (f"{q}.raw IS NOT NULL", "step DESC")
         n_err, n_all = store.con.execute(
             f"SELECT count(*) FILTER (WHERE {q}.error IS NOT NULL), count(*) FROM traces").fetchone()
         if n_all:
@@ -286,21 +317,52 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
                 f"erroring:{c}", n_err / n_all > error_share,
                 f"{c} failed on {n_err} of {n_all} completions",
                 f"error share > {error_share}", [{"error": e, "count": n} for e, n in errs]))
+            traced[f"erroring:{c}"] = (f"{q}.error IS NOT NULL", "step DESC")
+    for f in findings:
+        if f.fired and f.check in traced:
+            rows = store.select(*traced[f.check], limit=1)
+            f.trace = rows[0] if rows else None
     return findings
+
+
+def _zero_spread(store: TraceStore, findings: list[Finding], traced: dict, share_limit: float) -> None:
+    """The check over the totals (what the advantages are made of): groups whose completions all got the
+    same total teach nothing under GRPO, and a step where every group did trains nothing at all."""
+    rows = store.con.execute(
+        'SELECT run_id, step, "group", max(total) = min(total) AS flat FROM traces '
+        'WHERE "group" IS NOT NULL AND NOT total_missing GROUP BY 1, 2, 3 HAVING count(*) > 1').fetchall()
+    if not rows:
+        return
+    flat = [r for r in rows if r[3]]
+    steps: dict[tuple, list[bool]] = {}
+    for run_id, step, _, is_flat in rows:
+        steps.setdefault((run_id, step), []).append(is_flat)
+    dead = sorted(k[1] for k, v in steps.items() if all(v))
+    share = len(flat) / len(rows)
+    findings.append(Finding(
+        "zero_spread", share >= share_limit,
+        f"the total reward is the same for every completion in {len(flat)} of {len(rows)} groups ({share:.1%}); "
+        f"{len(dead)} of {len(steps)} steps had no group with a spread" + (f" (e.g. step {dead[0]})" if dead else ""),
+        f"flat in >= {share_limit:.0%} of groups (every advantage 0: nothing to learn)"))
+    if flat:
+        run_id, step, group, _ = flat[-1]
+        traced["zero_spread"] = (f"run_id = {_lit(run_id)} AND step = {step} AND \"group\" = {group}", "sample")
 
 def _repetition(store: TraceStore, r: tuple[int, int], k: int = 0) -> tuple[float, list[dict]]:
     """Mean share of repeated word 3-grams over up to 400 sampled completions of the step range, and
     the k most repetitive of them (scored once, with our own repetition reward)."""
     from rewards import build_reward
 
-    texts = [x[0] or "" for x in store.con.execute(
-        f"SELECT completion FROM traces WHERE step BETWEEN {r[0]} AND {r[1]} "
-        f"ORDER BY hash(source, lineno) LIMIT 400").fetchall()]
-    if not texts:
+    rows = store.con.execute(
+        f"SELECT completion, step, prompt_id FROM traces WHERE step BETWEEN {r[0]} AND {r[1]} "
+        f"ORDER BY hash(source, lineno) LIMIT 400").fetchall()
+    if not rows:
         return 0.0, []
+    texts = [x[0] or "" for x in rows]
     scores = build_reward("repetition", {"n": 3, "max_penalty": -1.0})(texts, texts)
-    worst = sorted(zip(scores, texts))[:k]
-    return -sum(scores) / len(texts), [{"repeated_share": -s, "completion": t} for s, t in worst]
+    worst = sorted(zip(scores, range(len(rows))))[:k]
+    return -sum(scores) / len(texts), [{"repeated_share": -s, "step": rows[i][1], "prompt_id": rows[i][2],
+                                        "completion": texts[i]} for s, i in worst]
 
 
 def parse_selection(text: str) -> tuple[str, tuple[int, int] | None]:

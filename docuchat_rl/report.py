@@ -123,8 +123,28 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def html_report(store: TraceStore, summary: dict, findings: list[Finding], title: str) -> str:
-    """A self-contained HTML page: the detectors, the per-step-range table, plots, malformed lines."""
+def _trace_html(trace: dict, store: TraceStore) -> str:
+    """One completion's trace as the report shows it: where it is, the text, and each component's raw
+    score, weight, contribution, error and reason."""
+    e = html.escape
+    head = " ".join(f"{k} <b>{e(str(trace.get(k)))}</b>" for k in ("step", "prompt_id", "sample", "group", "total",
+                                                                      "completion_tokens", "truncated") if k in trace)
+    rows = []
+    for c in store.components:
+        comp = trace.get(c) or {}
+        rows.append(f"<tr><td>{e(c)}</td><td>{_fmt(comp.get('raw'))}</td><td>{_fmt(comp.get('weight'))}</td>"
+                    f"<td>{_fmt(comp.get('weighted'))}</td><td>{e(str(comp.get('error') or ''))}</td>"
+                    f"<td style='text-align:left'>{e(json.dumps(comp.get('info'), default=str)[:300])}</td></tr>")
+    return (f"<p class='dim'>{head}</p><pre>{e(str(trace.get('prompt', ''))[:500])}</pre>"
+            f"<pre>{e(str(trace.get('completion', ''))[:1500])}</pre><table><tr><th>component</th><th>raw</th>"
+            f"<th>weight</th><th>contribution</th><th>error</th><th>reason</th></tr>{''.join(rows)}</table>")
+
+
+def html_report(store: TraceStore, summary: dict, findings: list[Finding], title: str,
+                evals: list[dict] | None = None) -> str:
+    """A self-contained HTML page: the detectors (a fired one with an example trace beside it), the
+    per-step-range table, plots of the traces and of the held-out evaluations (`evals`, from eval.jsonl),
+    malformed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,6 +161,11 @@ def html_report(store: TraceStore, summary: dict, findings: list[Finding], title
                               "tab:blue")))
     for idx, label in ((1, "total reward"), (2, "completion tokens"), (3, "truncated share")):
         figs.append((label, _plot(plt, steps, [r[idx] for r in per_step], f"{label} (mean)", "tab:orange")))
+    evals = sorted(evals or [], key=lambda r: r["step"])
+    keys = [k for k in dict.fromkeys(k for r in evals for k in r) if k not in ("step", "minutes")
+            and all(isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool) for r in evals)]
+    eval_figs = [(f"held-out {k}", _plot(plt, [r["step"] for r in evals], [r[k] for r in evals],
+                                         f"held-out {k} (eval.jsonl)", "tab:green")) for k in keys]
     e = html.escape
     rows = "".join(
         f"<tr><td>{b['steps'][0]}-{b['steps'][1]}</td><td>{b['records']}</td><td>{_fmt(b['reward_mean'])}</td>"
@@ -150,10 +175,14 @@ def html_report(store: TraceStore, summary: dict, findings: list[Finding], title
     for f in findings:
         exs = "".join(f"<pre>{e(json.dumps(x, default=str, ensure_ascii=False, indent=1)[:1500])}</pre>"
                       for x in f.examples) if f.fired else ""
+        if f.fired and f.trace is not None:
+            exs += f"<details open><summary>an example and its trace</summary>{_trace_html(f.trace, store)}</details>"
         finds.append(f"<div class='finding {'fired' if f.fired else 'ok'}'><b>{'FIRED' if f.fired else 'ok'}</b> "
                      f"<code>{e(f.check)}</code>: {e(f.detail)} <span class='dim'>(threshold: {e(f.threshold)})"
                      f"</span>{exs}</div>")
     plots = "".join(f"<figure><img alt='{e(name)}' src='data:image/png;base64,{b64}'></figure>" for name, b64 in figs)
+    eval_plots = "".join(f"<figure><img alt='{e(name)}' src='data:image/png;base64,{b64}'></figure>"
+                         for name, b64 in eval_figs) or "<p>no eval.jsonl beside these traces</p>"
     malformed = "".join(f"<li>{e(m['source'])}:{m['line']}: <code>{e(m['text'])}</code></li>"
                         for m in store.malformed[:50])
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{e(title)}</title><style>
@@ -166,6 +195,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} figure{{display:
 <h2>Detectors</h2>{''.join(finds) or '<p>no checks applied</p>'}
 <h2>Over time</h2><table><tr><th>steps</th><th>records</th><th>reward</th><th>accuracy</th><th>format rate</th>
 <th>mean length</th><th>truncated</th></tr>{rows}</table>
+<h2>Held-out evaluation</h2>{eval_plots}
 <h2>Plots</h2>{plots}
 {f'<h2>Malformed lines</h2><ul>{malformed}</ul>' if malformed else ''}
 </body></html>"""

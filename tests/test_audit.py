@@ -246,3 +246,40 @@ def test_detector_truncated(tmp_path):
     recs = [rec(s, s, 0, i, float(i % 2), 1.0, truncated=i == 0) for s in range(1, 11) for i in range(4)]
     with TraceStore([write(tmp_path / "t2.jsonl", recs)]) as store:
         assert "truncated" not in fired(store.detect(bins=2))  # a quarter cut: not said
+
+
+def test_detector_zero_spread_over_the_totals(tmp_path):
+    """Every component varies across the run, but within each group of steps 3-6 the totals agree:
+    the per-component no_signal checks stay quiet, zero_spread fires and names the dead steps."""
+    recs = []
+    for s in range(1, 7):
+        for i in range(4):
+            c, f = (float(i % 2), float(i % 2)) if s <= 2 else (float(s % 2), 1.0)
+            recs.append(rec(s, s, 0, i, c, f))
+    with TraceStore([write(tmp_path / "t.jsonl", recs)]) as store:
+        found = {f.check: f for f in store.detect(bins=2, no_signal_share=0.6)}
+    z = found["zero_spread"]
+    assert z.fired and "4 of 6 groups" in z.detail and "4 of 6 steps had no group with a spread" in z.detail
+    assert z.trace is not None and z.trace["step"] in (3, 4, 5, 6) and set(z.trace) >= {"completion", "correctness"}
+    with TraceStore([write(tmp_path / "ok.jsonl", clean_run())]) as store:
+        assert not {f.check: f for f in store.detect(bins=2)}["zero_spread"].fired
+
+
+def test_html_report_shows_the_eval_curve_and_a_trace_beside_each_fired_detector(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    recs = [rec(s, s, 0, i, float(i % 2), 1.0, error="TimeoutError: exceeded" if i == 0 else None)
+            for s in range(1, 5) for i in range(4)]
+    write(run / "traces.jsonl", recs)
+    (run / "eval.jsonl").write_text("".join(json.dumps({"step": s, "minutes": 0.1 * s, "accuracy": 0.1 * s,
+                                                        "format_rate": 0.5}) + "\n" for s in (0, 2, 4)) + "{cut")
+    html = tmp_path / "r.html"
+    assert main(["audit", str(run), "--bins", "2", "--html", str(html)]) == 0
+    page = html.read_text()
+    assert "held-out accuracy" in page and "held-out format_rate" in page and "held-out minutes" not in page
+    fired_blocks = page.split("class='finding fired'")[1:]
+    assert len(fired_blocks) >= 2  # erroring:flaky and no_signal:format
+    for block in fired_blocks:
+        block = block.split("class='finding")[0]
+        assert "an example and its trace" in block and "<th>contribution</th>" in block
+    assert "TimeoutError: exceeded" in page
