@@ -177,8 +177,10 @@ class Trainer:
                     history.append(m)
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy') or 0:.3f}",
-                                        tok_s=f"{m['rollout_tokens_per_s'] or 0:.0f}")
+                        shown = {"reward": f"{m['reward/mean']:.3f}", "tok_s": f"{m['rollout_tokens_per_s'] or 0:.0f}"}
+                        if m.get("accuracy") is not None:  # (no accuracy component: nothing to show)
+                            shown["acc"] = f"{m['accuracy']:.3f}"
+                        bar.set_postfix(shown)
                     if self.preemption.requested():  # safe point: the step is finished
                         self._stop()
                     if stop_after is not None and step >= stop_after:

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import inspect
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -161,15 +164,32 @@ def registered() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def _import(module: str):
+    """A module by dotted name (found from the working folder too, as `python -c` would) or by file path
+    (`my_rewards.py`, `path/to/rewards.py`)."""
+    if module.endswith(".py") or "/" in module:
+        path = Path(module).resolve()
+        if not path.is_file():
+            raise ImportError(f"no file {module}")
+        spec = importlib.util.spec_from_file_location(f"_docuchat_rewards_{path.stem}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    cwd = str(Path.cwd())
+    if cwd not in sys.path and "" not in sys.path:  # (a console script's path starts at its own bin folder)
+        sys.path.append(cwd)
+    return importlib.import_module(module)
+
+
 def resolve_reward(name: str) -> type[Reward] | Callable:
     """A registered reward class, or the object behind a dotted path `package.module:attribute`."""
     if name in _REGISTRY:
         return _REGISTRY[name]
     if ":" in name:
-        module, _, attr = name.partition(":")
+        module, _, attr = name.rpartition(":")
         try:
-            obj = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
+            obj = getattr(_import(module), attr)
+        except (ImportError, AttributeError, OSError) as e:
             raise RewardError(f"cannot import reward {name!r}: {e}") from e
         if not callable(obj):
             raise RewardError(f"reward {name!r} is not callable")

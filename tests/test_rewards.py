@@ -260,3 +260,20 @@ def test_dotted_path_reward_with_params():
 def test_unknown_param_names_the_reward():
     with pytest.raises(RewardError, match="'format'.*bad params"):
         build_reward("format", {"strictness": 1})
+
+
+def test_a_users_reward_module_is_found_by_file_path_and_from_the_working_folder(tmp_path, monkeypatch):
+    """`{name: my_rewards.py:reward_len}` and `{name: my_rewards:reward_len}` run from the user's folder
+    (a console script's sys.path does not hold the working folder)."""
+    import sys
+
+    from rewards import build_reward
+
+    (tmp_path / "my_rewards_q.py").write_text(
+        "def reward_len(completions, **kwargs):\n    return [-abs(20 - len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    for name in ("my_rewards_q.py:reward_len", f"{tmp_path}/my_rewards_q.py:reward_len", "my_rewards_q:reward_len"):
+        assert build_reward(name)(["Q", "Q"], ["short", "x" * 20]) == [-15, 0], name
+    with pytest.raises(RewardError, match="cannot import reward 'nope.py:f': no file nope.py"):
+        build_reward("nope.py:f")
