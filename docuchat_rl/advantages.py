@@ -57,7 +57,7 @@ def decoupled_advantages(components: torch.Tensor, weights: torch.Tensor, group:
     components [R, K] raw scores, NaN where none; weights [K]; group [R]; valid [R] bool (rows with any
     value; the others get advantage 0 and stay out of the batch statistics) -> advantages [R]
     """
-    x = components.double()  # [R, K]
+    x = components.double().reshape(components.shape[0], weights.numel())  # [R, K] (a process may have no rows)
     has = ~torch.isnan(x)  # [R, K]
     w = has.double()
     n_groups = int(group.max()) + 1 if group.numel() else 0

@@ -134,7 +134,9 @@ def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], re
                 slogps[i, :len(c)] = torch.tensor(sampler_logps[i])
     valid = torch.ones(r, dtype=torch.bool) if reward_valid is None else torch.tensor(reward_valid, dtype=torch.bool)
     info = RowInfo(tuple(map(len, prompt_ids)), tuple(map(len, completion_ids)), tuple(group), tuple(trained))
-    components = (None if component_rewards is None
-                  else torch.tensor(component_rewards, dtype=torch.float32).reshape(r, -1))  # [R, K]
+    components = None
+    if component_rewards is not None:  # (no rows: [0, 0]; the estimator knows K from the config)
+        k = len(component_rewards[0]) if component_rewards else 0
+        components = torch.tensor(component_rewards, dtype=torch.float32).reshape(r, k)  # [R, K]
     return Batch(ids, att, cmask, lp, torch.tensor(rewards, dtype=torch.float32),
                  torch.tensor(group, dtype=torch.long), valid, slogps, info, component_rewards=components)

@@ -43,3 +43,20 @@ def test_truncated_completions_stay_in_their_group_but_out_of_the_loss():
         assert batch.info.loss_lens == ((0, 2) if masked else (3, 2))
         assert batch.component_rewards.tolist() == [[r.components[name].raw for name in r.components]
                                                     for r in records]
+
+
+def test_a_process_without_used_groups_builds_an_empty_batch_that_gdpo_handles():
+    """Dynamic sampling may leave a process no group: its batch has no rows, and the decoupled
+    advantages (which take batch statistics over every process) still run on it."""
+    import torch
+
+    from docuchat_rl.advantages import decoupled_advantages
+    from docuchat_rl.data import Example
+    from docuchat_rl.rollout import Completion, Rollout
+
+    rec = CompositeReward([{"name": "tests.user_rewards:length_over", "weight": 1.0}])(["Q"], ["a"]).records[0]
+    rollout = Rollout([Completion(Example(0, "Q", "1"), 0, 0, [5], [1], [-0.1], "a", False, rec, False, None)], 1, 0)
+    batch = rollout.batch(pad_id=0)
+    assert batch.rows == 0 and batch.component_rewards.shape == (0, 0)
+    adv = decoupled_advantages(batch.component_rewards, torch.tensor([1.0, 0.5]), batch.group)
+    assert adv.shape == (0,)
