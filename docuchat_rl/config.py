@@ -90,6 +90,23 @@ class DataConfig(Section):
     """Prompts longer than this (in tokens) are an error naming the row."""
 
 
+class VLLMConfig(Section):
+    """The vLLM engine's settings (rollout.engine vllm), with the names TRL users know."""
+
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """Share of GPU memory vLLM may take (weights + KV cache), colocated with training."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    """KV cache size in bytes instead of gpu_memory_utilization (what the CPU build needs)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest prompt + completion the engine accepts (null: data.max_prompt_tokens + max_new_tokens)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine spans (tensor parallel)."""
+    enforce_eager: bool = False
+    """No CUDA graphs (always eager on the CPU)."""
+    sleep: bool = False
+    """Free the engine's memory between rollouts (vLLM sleep mode; a no-op on the CPU)."""
+
+
 class RolloutConfig(Section):
     """Sampling a step's groups: sizes, the sampler's processors, the engine, the sampler correction."""
 
@@ -113,8 +130,10 @@ class RolloutConfig(Section):
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill."""
     max_resample_rounds: int = Field(4, ge=1)
     """Most extra sampling rounds per step when dynamic sampling cannot fill the batch."""
-    engine: Literal["fast", "hf"] = "fast"
-    """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate."""
+    engine: Literal["fast", "hf", "vllm"] = "fast"
+    """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate; vllm = a colocated vLLM engine."""
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig)
+    """The vLLM engine's settings (only with engine vllm)."""
     merge_adapter: bool = True
     """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged."""
     sharded_generation: bool = False
@@ -308,6 +327,11 @@ class Config(Section):
         if r.sharded_generation and r.merge_adapter:
             raise ValueError("rollout.sharded_generation keeps the weights sharded, so the adapter cannot be folded "
                              "into them: set rollout.merge_adapter=false with it")
+        if r.engine != "vllm" and r.vllm != VLLMConfig():
+            raise ValueError(f"rollout.vllm applies to rollout.engine vllm, not {r.engine}")
+        if r.engine == "vllm" and r.sharded_generation:
+            raise ValueError("rollout.engine vllm generates on whole weights: rollout.sharded_generation cannot "
+                             "be used with it")
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")

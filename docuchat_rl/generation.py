@@ -251,6 +251,12 @@ def _plain_generation_config(model):
 
 
 @torch.no_grad()
+def in_process_engine(engine: str) -> str:
+    """The engine evaluation, `generate` and `chat` sample with: `rollout.engine`, except that a vLLM
+    engine serves training rollouts only (those greedy or few-sample passes use our fast loop)."""
+    return "fast" if engine == "vllm" else engine
+
+
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,

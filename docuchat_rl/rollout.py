@@ -132,8 +132,9 @@ class Collector:
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
                  reward: CompositeReward, sampler: PromptSampler, seed: int = 0, dist: Dist | None = None,
-                 lockstep=None, max_steps: int = 0):
+                 lockstep=None, max_steps: int = 0, vllm=None):
         self.cfg, self.tokenizer, self.examples, self.max_steps = cfg, tokenizer, examples, max_steps
+        self.vllm = vllm  # a vllm_engine.VLLMEngine (rollout.engine vllm), else None
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
         self.dist = dist or Dist()
         self.lockstep = lockstep  # sharded generation: every process makes the same model calls (generation.py)
@@ -142,6 +143,12 @@ class Collector:
         """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts;
         `seeds` gives each row its own random stream."""
         r = self.cfg
+        if self.vllm is not None:
+            gen = self.vllm.generate([self.prompt_texts[i] for i in idx], num_return_sequences=r.num_generations,
+                                     row_seeds=seeds, max_new_tokens=r.max_new_tokens,
+                                     min_new_tokens=r.min_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                     top_k=r.top_k)
+            return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         model.eval()
         with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
             gen = generate(model, self.tokenizer, [self.prompt_texts[i] for i in idx],
@@ -154,6 +161,8 @@ class Collector:
     def collect(self, model, timer: Timer, step: int) -> Rollout:
         """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""
         r, g, dist = self.cfg, self.cfg.num_generations, self.dist
+        if self.vllm is not None:
+            self.vllm.sync(model, version=step)  # the policy of the steps before this one
         completions: list[Completion] = []
         logged: dict[str, list[float]] = {}
         kept = rounds = sampled = 0  # over all processes

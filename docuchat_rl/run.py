@@ -114,8 +114,10 @@ class Run:
     lock: RunLock | None  # the output folder's lock (main process)
 
     def close(self) -> None:
-        """Close the files and wandb, release the folder."""
+        """Close the files, wandb and a vLLM engine, release the folder."""
         self.outputs.close()
+        if self.collector.vllm is not None:
+            self.collector.vllm.close()
         if self.wandb is not None:
             self.wandb.finish()
         if self.lock is not None:
@@ -225,6 +227,17 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     prompt_texts = [render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages) for e in examples]
     _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
     reward = build_reward(cfg.rewards)
+    vllm = None
+    if cfg.rollout.engine == "vllm":  # (before a resume restores the RNG states: vLLM seeds the global ones)
+        if dist.active:
+            raise TrainingError("rollout.engine vllm runs on one process for now (an engine per process needs "
+                                "vLLM's external launcher, not built yet): use the fast engine with several")
+        if place.sharding is not None:
+            raise TrainingError("rollout.engine vllm loads the whole model in each process: it cannot run with "
+                                "FSDP2 sharding (use accelerate's data-parallel launch, or the fast engine)")
+        from .vllm_engine import VLLMEngine
+
+        vllm = VLLMEngine(cfg, model, tokenizer, cfg.data.max_prompt_tokens)
     state = TrainerState(step=0, run_id=dist.gather([uuid.uuid4().hex[:12]])[0])  # the main process's id
     if resume_dir:
         state = load_training_state(resume_dir, model=model, critic=algo.critic, accelerator=place.accelerator,
@@ -241,7 +254,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     learner = Learner(cfg, model, algo, params, optimizer, scheduler, place.accelerator, dist,
                       tokenizer.pad_token_id, chunk, bool(place.sharded_layers), state.nonfinite_streak)
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
-                          place.lockstep, max_steps=cfg.run.steps)
+                          place.lockstep, max_steps=cfg.run.steps, vllm=vllm)
     wandb_run = None
     if cfg.logging.wandb and dist.is_main:
         import wandb

@@ -233,12 +233,20 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="extra override for our side, e.g. rollout.engine=hf (repeatable)")
     ap.add_argument("--only", choices=["ours", "trl"], help="run one side")
+    ap.add_argument("--engine", choices=["fast", "hf", "vllm"], default=None,
+                    help="our rollout engine (vllm: run this script with the python of scripts/vllm_tests.sh's "
+                         "environment, .venv-vllm/bin/python; on a CPU it gets a 256 MiB KV cache)")
     ap.add_argument("--sweep", action="store_true", help="group size {4,8,16} x max new tokens {32,64,128}")
     ap.add_argument("--sweep-steps", type=int, default=12, help="steps per sweep point")
     ap.add_argument("--fixed-length", action="store_true", help=argparse.SUPPRESS)  # (a worker's --lengths)
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.engine is not None:  # (sugar for --set rollout.engine=...; passed on to the workers as overrides)
+        a.overrides = [f"rollout.engine={a.engine}", *a.overrides]
+        if a.engine == "vllm" and not any(o.startswith("rollout.vllm.") for o in a.overrides):
+            a.overrides.append(f"rollout.vllm.kv_cache_memory_bytes={256 << 20}")
+        a.engine = None
 
     if a.worker:
         print(json.dumps(run_ours(a) if a.worker == "ours" else run_trl(a)))

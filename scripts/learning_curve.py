@@ -41,7 +41,8 @@ def main() -> None:
     results = {}
     for cfg in a.configs:
         out = a.out / cfg.stem
-        cmd = ["docuchat-rl", "train", "--config", str(cfg), "--set", f"run.output_dir={out}",
+        # (this interpreter's docuchat-rl: run from .venv-vllm/bin/python, the vLLM engine's environment)
+        cmd = [sys.executable, "-m", "docuchat_rl", "train", "--config", str(cfg), "--set", f"run.output_dir={out}",
                "--set", f"eval.every={a.every}", "--set", "eval.before_and_after=true",
                "--set", "run.overwrite=true"]  # the folder is this script's own: replace an earlier curve
         cmd += ["--set", f"run.steps={a.steps}"] if a.steps else []

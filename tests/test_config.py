@@ -63,7 +63,7 @@ BAD = [
      "a2c with minibatches"),
     (["rollout.min_new_tokens=80"], "rollout.min_new_tokens: 80 is more than rollout.max_new_tokens \\(64\\)",
      "min above max new tokens"),
-    (["rollout.engine=vllm"], "'rollout.engine'.*'fast' or 'hf'", "unknown rollout engine"),
+    (["rollout.engine=sglang"], "'rollout.engine'.*'fast', 'hf' or 'vllm'", "unknown rollout engine"),
     (["rollout.correction=token_truncate", "rollout.correction_min=3"],
      "rollout.correction_min \\(3.0\\) must be below rollout.correction_max \\(2.0\\)", "correction bounds"),
     (["algorithm.name=ppo", "algorithm.critic_backbone=own"], "'algorithm.critic_backbone'.*'shared' or 'separate'",
@@ -81,6 +81,11 @@ BAD = [
     (["algorithm.top_entropy_quantile=1.5"], "'algorithm.top_entropy_quantile'.*less than or equal to 1",
      "entropy quantile above 1"),
     (["algorithm.name=ppo", "algorithm.surrogate=cispo"], "'algorithm.surrogate'.*ppo", "a GRPO key under PPO"),
+    (["rollout.vllm.gpu_memory_utilization=0.5"], "rollout.vllm applies to rollout.engine vllm, not fast",
+     "vLLM settings without the vLLM engine"),
+    (["rollout.engine=vllm", "rollout.sharded_generation=true", "rollout.merge_adapter=false"],
+     "rollout.engine vllm generates on whole weights", "vLLM with sharded generation"),
+    (["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"], None, "vLLM settings with the vLLM engine"),
 ]
 
 

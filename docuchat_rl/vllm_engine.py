@@ -1,0 +1,158 @@
+"""The vLLM rollout engine (`rollout.engine: vllm`), colocated in the training process as TRL's
+`vllm_mode: colocate`: one engine per process, each generating its own share of the prompts.
+
+What it keeps of our engines' contract:
+- The distribution: only temperature, top-k and top-p shape it (vLLM's own defaults from the model's
+  generation_config are overridden by explicit SamplingParams), and the log-prob of each sampled token
+  is the sampler's own under that processed distribution (`logprobs_mode="processed_logprobs"`; vLLM's
+  default `raw_logprobs` ignores temperature and top-k/top-p).
+- Reproducibility: each completion is its own request with its own seed (`generation.row_seed`), so what
+  a row samples depends on (seed, step, prompt, sample) and the weights, not on its batch.
+- The weights: `sync` loads the policy's full state dict, LoRA deltas merged in, into the engine
+  (`reload_weights` with every tensor: a partial dict corrupts the model), then resets the prefix
+  cache (cached prompt keys/values of the old weights would otherwise be reused). The collector syncs
+  before every rollout whose policy changed.
+
+Deliberately left out: vLLM's own LoRA path (`enable_lora`; measured 5x slower than a merged sync on the
+CPU), server mode on separate GPUs (docs/vllm.md has the plan), sharded (FSDP2) models and sharded
+generation, and engines that are not in this process.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .generation import Generation, eos_ids
+from .modeling import base_model, merged_adapter
+
+if TYPE_CHECKING:
+    from .config import Config
+
+_SET_NUM_THREADS = torch.set_num_threads  # (vLLM's CPU worker replaces it with a no-op; kept before that)
+INSTALL_HINT = "pip install 'docuchat-rl[vllm]' (on a CPU-only machine: see README, vLLM on the CPU)"
+
+
+def import_vllm():
+    """vllm, or one line saying how to install it."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process (colocated)
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the training's threads alone
+    try:
+        import vllm
+    except ImportError as e:
+        from .errors import ModelError
+
+        raise ModelError(f"rollout.engine vllm needs vLLM, which is not installed ({e}); {INSTALL_HINT}") from None
+    return vllm
+
+
+class VLLMEngine:
+    """One colocated vLLM engine for the policy `model` (its base weights are loaded from the model's own
+    folder; `sync` then gives it the policy's current weights)."""
+
+    def __init__(self, cfg: Config, model, tokenizer, max_prompt_tokens: int):
+        vllm = import_vllm()
+        v, r = cfg.rollout.vllm, cfg.rollout
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.stop = eos_ids(model, tokenizer)
+        device = next(model.parameters()).device
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+            next(base_model(model).parameters()).dtype]
+        threads = torch.get_num_threads()
+        memory = dict(kv_cache_memory_bytes=v.kv_cache_memory_bytes) if v.kv_cache_memory_bytes else \
+            dict(gpu_memory_utilization=v.gpu_memory_utilization)
+        self.llm = vllm.LLM(
+            str(Path(cfg.model.name_or_path)), tokenizer=str(Path(cfg.model.name_or_path)), dtype=dtype,
+            seed=cfg.run.seed, enforce_eager=v.enforce_eager or device.type == "cpu",
+            max_model_len=v.max_model_len or min(max_prompt_tokens + r.max_new_tokens, _positions(model)),
+            max_num_seqs=max(r.generation_batch_size, 1), tensor_parallel_size=v.tensor_parallel_size,
+            logprobs_mode="processed_logprobs", enable_sleep_mode=v.sleep,
+            # one prefill never chunked: per-request seeds and a chunked prefill do not mix on the CPU
+            max_num_batched_tokens=max(8192, min(max_prompt_tokens + r.max_new_tokens, _positions(model))
+                                       * r.generation_batch_size),
+            **memory)
+        _restore_threads(threads)
+        self.synced_version: object = None
+
+    def sync(self, model, version: object = None) -> None:
+        """Give the engine the policy's current weights (LoRA merged), unless `version` is the one it has."""
+        if version is not None and version == self.synced_version:
+            return
+        with torch.no_grad(), merged_adapter(model):
+            state = {_hf_name(k): t for k, t in base_model(model).state_dict().items() if "lora_" not in k}
+            if self.cfg.rollout.vllm.sleep:
+                self.llm.wake_up()
+            self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=list(state.items()),
+                                                                  is_checkpoint_format=True))
+        self.llm.reset_prefix_cache()
+        self.synced_version = version
+
+    def generate(self, prompts: list[str], *, num_return_sequences: int, row_seeds: list[int] | None,
+                 max_new_tokens: int, min_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                 do_sample: bool = True) -> Generation:
+        """`num_return_sequences` completions per prompt, rows prompt-major (as generation.generate)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        g = num_return_sequences
+        if row_seeds is not None and len(row_seeds) != len(prompts) * g:
+            raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts) * g} rows")
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        requests, params = [], []
+        for i, p in enumerate(ids):
+            for s in range(g):
+                row = i * g + s
+                requests.append(TokensPrompt(prompt_token_ids=p))
+                params.append(SamplingParams(
+                    n=1, max_tokens=max_new_tokens, min_tokens=min_new_tokens, logprobs=0,
+                    temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
+                    top_k=top_k if do_sample and top_k > 0 else -1,
+                    seed=row_seeds[row] if row_seeds is not None else None,
+                    stop_token_ids=self.stop, ignore_eos=False, skip_special_tokens=True,
+                    repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0))
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        gen = Generation([], [], [], [])
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            gen.prompt_ids.append(ids[i // g])
+            gen.completion_ids.append(tokens)
+            gen.truncated.append(c.finish_reason == "length" and not (tokens and tokens[-1] in self.stop))
+            gen.logps.append([float(d[t].logprob) for d, t in zip(c.logprobs, tokens)])
+        if self.cfg.rollout.vllm.sleep:
+            self.llm.sleep(level=1)
+        return gen
+
+
+    def close(self) -> None:
+        """Shut the engine down and release vLLM's process-wide state (its parallel groups), so that a
+        later engine in this process starts clean (an old engine collected late would tear down the new
+        one's groups)."""
+        if self.llm is None:
+            return
+        import gc
+
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        self.llm = None
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def _positions(model) -> int:
+    """The longest sequence the model's position embeddings cover (a large number when it does not say)."""
+    return int(getattr(base_model(model).config, "max_position_embeddings", None) or 1 << 20)
+
+
+def _hf_name(key: str) -> str:
+    """A parameter name of the (merged) PEFT-wrapped base model as the checkpoint names it."""
+    return key.replace(".base_layer.", ".")
+
+
+def _restore_threads(n: int) -> None:
+    """vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; the training
+    passes run with the thread count they had before the engine started."""
+    _SET_NUM_THREADS(n)

