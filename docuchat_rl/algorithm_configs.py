@@ -39,8 +39,7 @@ class _Algo(BaseModel):
 
     name: str
     loss_aggregation: Literal["grpo", "dapo", "bnpo", "dr_grpo", "luspo"] = "grpo"
-    """grpo: mean of sequence token means; dapo = bnpo: token mean (2503.14476, 2506.02864); dr_grpo: token sum /
-    (rows * max_new_tokens) (2503.20783); luspo: mean of sequence token sums (2602.05261)."""
+    """grpo: mean of sequence means; dapo (2503.14476) = bnpo (2506.02864): token mean; dr_grpo (2503.20783): sum / (rows x max_new_tokens); luspo (2602.05261): mean of sums."""
     beta: float = Field(0.0, ge=0)
     """KL penalty weight against the reference (adapter-disabled) model, k3 estimator; 0 skips it."""
     ent_coef: float = Field(0.0, ge=0)

@@ -485,9 +485,20 @@ def explain(cfg: Config | None = None) -> str:
         others = sorted(set(ALGORITHMS) - {cfg.algorithm.name}) if section == "algorithm" else []
         lines.append(f"{section}:" + (f"  # keys of {cfg.algorithm.name}; see also --set algorithm.name="
                                       f"{'|'.join(others)}" if others else ""))
-        for name, f in model.model_fields.items():
-            default = f.get_default(call_default_factory=True)
-            if isinstance(default, list) and default and isinstance(default[0], BaseModel):
-                default = [d.model_dump(exclude_defaults=True) for d in default]
-            lines.append(f"  {name} = {default!r}  # {f.description or ''}")
+        lines += _explain_fields(model, "  ")
     return "\n".join(lines)
+
+
+def _explain_fields(model: type[BaseModel], indent: str) -> list[str]:
+    """One line per key of `model`; a nested section (rollout.vllm) as its own indented block."""
+    lines = []
+    for name, f in model.model_fields.items():
+        default = f.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            lines.append(f"{indent}{name}:  # {f.description or ''}")
+            lines += _explain_fields(type(default), indent + "  ")
+            continue
+        if isinstance(default, list) and default and isinstance(default[0], BaseModel):
+            default = [d.model_dump(exclude_defaults=True) for d in default]
+        lines.append(f"{indent}{name} = {default!r}  # {f.description or ''}")
+    return lines

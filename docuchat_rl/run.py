@@ -229,15 +229,15 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     reward = build_reward(cfg.rewards)
     vllm = None
     if cfg.rollout.engine == "vllm":  # (before a resume restores the RNG states: vLLM seeds the global ones)
-        if dist.active:
-            raise TrainingError("rollout.engine vllm runs on one process for now (an engine per process needs "
-                                "vLLM's external launcher, not built yet): use the fast engine with several")
+        if dist.active and cfg.rollout.vllm.tensor_parallel_size > 1:
+            raise TrainingError("rollout.vllm.tensor_parallel_size > 1 with several training processes is not "
+                                "built (each process runs its own engine): use 1, or one process")
         if place.sharding is not None:
             raise TrainingError("rollout.engine vllm loads the whole model in each process: it cannot run with "
                                 "FSDP2 sharding (use accelerate's data-parallel launch, or the fast engine)")
         from .vllm_engine import VLLMEngine
 
-        vllm = VLLMEngine(cfg, model, tokenizer, cfg.data.max_prompt_tokens)
+        vllm = VLLMEngine(cfg, model, tokenizer, cfg.data.max_prompt_tokens, processes=dist.world)
     state = TrainerState(step=0, run_id=dist.gather([uuid.uuid4().hex[:12]])[0])  # the main process's id
     if resume_dir:
         state = load_training_state(resume_dir, model=model, critic=algo.critic, accelerator=place.accelerator,

@@ -13,6 +13,10 @@ What it keeps of our engines' contract:
   cache (cached prompt keys/values of the old weights would otherwise be reused). The collector syncs
   before every rollout whose policy changed.
 
+Several processes: each runs its own engine on its own share of the prompts, vLLM joining the
+launcher's process group (`external_launcher`, as TRL's colocate mode); tensor parallelism across them
+is not built (refused).
+
 Deliberately left out: vLLM's own LoRA path (`enable_lora`; measured 5x slower than a merged sync on the
 CPU), server mode on separate GPUs (docs/vllm.md has the plan), sharded (FSDP2) models and sharded
 generation, and engines that are not in this process.
@@ -40,6 +44,7 @@ def import_vllm():
     """vllm, or one line saying how to install it."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process (colocated)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # leave the training's threads alone
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # (INFO logs every weight sync and cache reset)
     try:
         import vllm
     except ImportError as e:
@@ -53,10 +58,13 @@ class VLLMEngine:
     """One colocated vLLM engine for the policy `model` (its base weights are loaded from the model's own
     folder; `sync` then gives it the policy's current weights)."""
 
-    def __init__(self, cfg: Config, model, tokenizer, max_prompt_tokens: int):
+    def __init__(self, cfg: Config, model, tokenizer, max_prompt_tokens: int, processes: int = 1):
         vllm = import_vllm()
         v, r = cfg.rollout.vllm, cfg.rollout
-        self.cfg, self.tokenizer = cfg, tokenizer
+        self.cfg, self.tokenizer, self.processes = cfg, tokenizer, processes
+        # several processes (torchrun / accelerate launch): vLLM joins the launcher's process group instead
+        # of starting its own (TRL's colocate mode does the same); each engine serves its own process
+        launched = dict(distributed_executor_backend="external_launcher") if processes > 1 else {}
         self.stop = eos_ids(model, tokenizer)
         device = next(model.parameters()).device
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
@@ -73,7 +81,7 @@ class VLLMEngine:
             # one prefill never chunked: per-request seeds and a chunked prefill do not mix on the CPU
             max_num_batched_tokens=max(8192, min(max_prompt_tokens + r.max_new_tokens, _positions(model))
                                        * r.generation_batch_size),
-            **memory)
+            **memory, **launched)
         _restore_threads(threads)
         self.synced_version: object = None
 
@@ -139,7 +147,8 @@ class VLLMEngine:
         self.llm = None
         gc.collect()
         destroy_model_parallel()
-        destroy_distributed_environment()
+        if self.processes == 1:  # (under a launcher the world group is the training's: it ends with the run)
+            destroy_distributed_environment()
 
 
 def _positions(model) -> int:

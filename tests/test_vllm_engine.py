@@ -151,14 +151,16 @@ def test_a_vllm_run_matches_the_trainer_and_resumes_exactly(tmp_path):
 
 
 @needs_vllm
-def test_several_processes_are_refused_in_one_line(tmp_path):
-    """Not built yet: one engine per process under a launcher (vLLM's external launcher)."""
-    import subprocess
-    import sys
+@pytest.mark.slow
+def test_two_processes_each_with_its_engine_equal_one(tmp_path):
+    """Data-parallel: each process's engine generates its share of the prompts (vLLM on the launcher's
+    process group); the completions, rewards and metrics equal a one-process run's."""
+    from .test_distributed import _assert_close, _train, _untimed
 
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "docuchat_rl",
-                           "train", "--set", f"run.output_dir={tmp_path}", "--set", "rollout.engine=vllm",
-                           "--set", KV, "--set", "data.test=null"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode != 0
-    assert "docuchat-rl: error: rollout.engine vllm runs on one process for now" in proc.stderr
+    opts = ["run.steps=2", "checkpoint.every=2", "rollout.engine=vllm", KV, "data.test=null"]
+    _train(tmp_path / "one", 1, *opts)
+    _train(tmp_path / "two", 2, *opts)
+    one, two = (_untimed(tmp_path / d / "traces.jsonl") for d in ("one", "two"))
+    assert [r["completion"] for r in one] == [r["completion"] for r in two] and len(one) == 2 * 16
+    _assert_close(one, two)
+    _assert_close(*(_untimed(tmp_path / d / "metrics.jsonl") for d in ("one", "two")))
