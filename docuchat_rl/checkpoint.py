@@ -219,6 +219,7 @@ class TrainerState:
     sampler: dict[str, int] = field(default_factory=dict)  # PromptSampler.state(): data order and position
     offsets: dict[str, int] = field(default_factory=dict)  # byte size of each output file (main process)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
+    no_reward_streak: int = 0  # steps in a row in which no reward component gave any completion a value
     world_size: int = 1  # processes that wrote the checkpoint
 
     def to_json(self) -> dict:

@@ -61,7 +61,7 @@ class Trainer:
         self.preemption = Preemption(self.dist)
         self.on_phase = on_phase or (lambda name: None)
         self._held_out: list[Example] | None = None
-        self._no_reward_steps = 0  # steps in a row without any reward value
+        self._no_reward_steps = self.run.state.no_reward_streak  # steps in a row without any reward value
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
 
     # ---------------------------------------------------------------- phases
@@ -138,7 +138,7 @@ class Trainer:
         run, learner = self.run, self.learner
         state = TrainerState(step=step, run_id=self.run_id, sampler=self.collector.sampler.state(),
                              offsets=run.outputs.offsets(), nonfinite_streak=learner.nonfinite_streak,
-                             world_size=self.dist.world)
+                             no_reward_streak=self._no_reward_steps, world_size=self.dist.world)
 
         def write_into(folder: Path) -> None:
             write_training_state(folder, model=learner.model, tokenizer=run.tokenizer, critic=learner.algo.critic,

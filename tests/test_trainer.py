@@ -404,6 +404,21 @@ def test_a_reward_failing_everywhere_is_said_at_once_and_stops_the_run(tmp_path,
     assert [m["reward_missing"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [8, 8]  # both steps logged
 
 
+def test_the_steps_without_a_reward_value_count_on_across_a_resume(tmp_path):
+    """The stop counts steps in a row without any reward value across a resume (checkpointed), so a run
+    resumed after step 2 of a failing reward stops at step 3, not 5."""
+    opts = ["run.steps=6", "checkpoint.every=2", "rewards=[{name: 'tests.user_rewards:raises'}]",
+            "rewards.accuracy_component=null", "rewards.max_failed_steps=3"]
+    t = Trainer(cfg_for(tmp_path, *opts))
+    t.train(stop_after=2)
+    t.close()
+    t = Trainer(cfg_for(tmp_path, *opts), resume="latest")
+    with pytest.raises(TrainingError, match=r"3 steps in a row"):
+        t.train()
+    t.close()
+    assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_steps_without_a_learning_signal_are_said_while_they_happen(tmp_path, capsys):
     """Every group's rewards agreeing (a reward no completion can earn) and completions all cut at
     max_new_tokens each print a warning line at the step (TRL says nothing in either case)."""
