@@ -239,10 +239,13 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
         return store.con.execute(f"SELECT avg({expr}) FROM traces WHERE step BETWEEN {r[0]} AND {r[1]}"
                                  ).fetchone()[0]
 
-    def ex(where: str, sort: str = "step DESC") -> list[dict]:
-        return store.select(where, sort, examples, "step, prompt_id, completion, total, completion_tokens")
-
     traced: dict[str, tuple[str, str]] = {}  # check -> (where, sort) of the trace to show when it fires
+
+    def ex(check: str, fired: bool, where: str, sort: str = "step DESC") -> list[dict]:
+        """The check's example rows when it fired (and where its example trace is to be found)."""
+        traced[check] = (where, sort)
+        return store.select(where, sort, examples, "step, prompt_id, completion, total, completion_tokens") \
+            if fired else []
 
     span = f"steps {first[0]}-{first[1]} vs {last[0]}-{last[1]}"
     if {accuracy, format_name} <= set(store.components) and len(ranges) > 1:
@@ -254,28 +257,21 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
                 "format_up_correctness_down", fired,
                 f"{format_name} {f0:.3f} -> {f1:.3f}, {accuracy} {a0:.3f} -> {a1:.3f} ({span})",
                 f"{format_name} rise >= {min_rise} and {accuracy} fall >= {min_fall}",
-                ex(f"step >= {last[0]} AND {_q(format_name)}.raw > 0 AND {_q(accuracy)}.raw = 0")
-                if fired else []))
-            traced["format_up_correctness_down"] = (
-                f"step >= {last[0]} AND {_q(format_name)}.raw > 0 AND {_q(accuracy)}.raw = 0", "step DESC")
+                ex("format_up_correctness_down", fired,
+                   f"step >= {last[0]} AND {_q(format_name)}.raw > 0 AND {_q(accuracy)}.raw = 0")))
     if len(ranges) > 1:
         r0, r1 = mean("total", first), mean("total", last)
         l0, l1 = mean("completion_tokens", first), mean("completion_tokens", last)
         if None not in (r0, r1, l0, l1) and l0 > 0:
             ratio = l1 / l0
             rising = r1 - r0 >= min_rise
-            findings.append(Finding(
-                "length_collapse", rising and ratio <= 1 / length_ratio,
-                f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
-                f"reward rise >= {min_rise} with length shrinking by {length_ratio}x",
-                ex(f"step >= {last[0]}", "completion_tokens ASC") if rising and ratio <= 1 / length_ratio else []))
-            findings.append(Finding(
-                "length_growth", rising and ratio >= length_ratio,
-                f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
-                f"reward rise >= {min_rise} with length growing by {length_ratio}x",
-                ex(f"step >= {last[0]}", "completion_tokens DESC") if rising and ratio >= length_ratio else []))
-            traced["length_collapse"] = (f"step >= {last[0]}", "completion_tokens ASC")
-            traced["length_growth"] = (f"step >= {last[0]}", "completion_tokens DESC")
+            for check, fired, how, sort in (
+                    ("length_collapse", rising and ratio <= 1 / length_ratio, "shrinking", "completion_tokens ASC"),
+                    ("length_growth", rising and ratio >= length_ratio, "growing", "completion_tokens DESC")):
+                findings.append(Finding(
+                    check, fired, f"reward {r0:.3f} -> {r1:.3f}, mean length {l0:.1f} -> {l1:.1f} tokens ({span})",
+                    f"reward rise >= {min_rise} with length {how} by {length_ratio}x",
+                    ex(check, fired, f"step >= {last[0]}", sort)))
         rep0, _ = _repetition(store, first)
         rep1, worst = _repetition(store, last, examples)
         findings.append(Finding(
@@ -291,8 +287,7 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
             "truncated", cut >= truncated_share,
             f"{cut:.1%} of the completions of steps {last[0]}-{last[1]} hit max_new_tokens",
             f"share >= {truncated_share:.0%} (rewards judge unfinished completions)",
-            ex(f"step >= {last[0]} AND truncated", "step DESC") if cut >= truncated_share else []))
-        traced["truncated"] = (f"step >= {last[0]} AND truncated", "step DESC")
+            ex("truncated", cut >= truncated_share, f"step >= {last[0]} AND truncated")))
     _zero_spread(store, findings, traced, no_signal_share)
     for c in store.components:
         q = _q(c)

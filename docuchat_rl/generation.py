@@ -251,12 +251,6 @@ def _plain_generation_config(model):
 
 
 @torch.no_grad()
-def in_process_engine(engine: str) -> str:
-    """The engine evaluation, `generate` and `chat` sample with: `rollout.engine`, except that a vLLM
-    engine serves training rollouts only (those greedy or few-sample passes use our fast loop)."""
-    return "fast" if engine == "vllm" else engine
-
-
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
@@ -271,8 +265,10 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
     number of model calls, as sharded weights demand: decoding continues while any process decodes, and
     a process out of prompts runs a greedy one-token placeholder prompt (it draws no random numbers)
     until the others are done."""
-    if engine not in ("fast", "hf"):
-        raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf")
+    if engine not in ("fast", "hf", "vllm"):
+        raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf, vllm")
+    if engine == "vllm":  # a vLLM engine (vllm_engine.py) serves training rollouts only: evaluation, generate
+        engine = "fast"  # and chat, given rollout.engine vllm, sample in this process with our fast loop
     stop = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     device = next(model.parameters()).device

@@ -162,7 +162,7 @@ class Collector:
         """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""
         r, g, dist = self.cfg, self.cfg.num_generations, self.dist
         if self.vllm is not None:
-            self.vllm.sync(model, version=step)  # the policy of the steps before this one
+            self.vllm.sync(model)  # the policy of the steps before this one
         completions: list[Completion] = []
         logged: dict[str, list[float]] = {}
         kept = rounds = sampled = 0  # over all processes

@@ -11,14 +11,14 @@ What it keeps of our engines' contract:
 - The weights: `sync` loads the policy's full state dict, LoRA deltas merged in, into the engine
   (`reload_weights` with every tensor: a partial dict corrupts the model), then resets the prefix
   cache (cached prompt keys/values of the old weights would otherwise be reused). The collector syncs
-  before every rollout whose policy changed.
+  before every step's rollout (the policy changes at every step).
 
 Several processes: each runs its own engine on its own share of the prompts, vLLM joining the
 launcher's process group (`external_launcher`, as TRL's colocate mode); tensor parallelism across them
 is not built (refused).
 
-Deliberately left out: vLLM's own LoRA path (`enable_lora`; measured 5x slower than a merged sync on the
-CPU), server mode on separate GPUs (docs/vllm.md has the plan), sharded (FSDP2) models and sharded
+Deliberately left out: vLLM's own LoRA path (`enable_lora`; 5x slower than a merged sync on the CPU in
+issue #24's measurement, not repeated here), server mode on separate GPUs (docs/vllm.md has the plan), sharded (FSDP2) models and sharded
 generation, and engines that are not in this process.
 """
 
@@ -70,25 +70,22 @@ class VLLMEngine:
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
             next(base_model(model).parameters()).dtype]
         threads = torch.get_num_threads()
+        longest = min(max_prompt_tokens + r.max_new_tokens, _positions(model))  # prompt + completion
         memory = dict(kv_cache_memory_bytes=v.kv_cache_memory_bytes) if v.kv_cache_memory_bytes else \
             dict(gpu_memory_utilization=v.gpu_memory_utilization)
         self.llm = vllm.LLM(
             str(Path(cfg.model.name_or_path)), tokenizer=str(Path(cfg.model.name_or_path)), dtype=dtype,
             seed=cfg.run.seed, enforce_eager=v.enforce_eager or device.type == "cpu",
-            max_model_len=v.max_model_len or min(max_prompt_tokens + r.max_new_tokens, _positions(model)),
+            max_model_len=v.max_model_len or longest,
             max_num_seqs=max(r.generation_batch_size, 1), tensor_parallel_size=v.tensor_parallel_size,
             logprobs_mode="processed_logprobs", enable_sleep_mode=v.sleep,
             # one prefill never chunked: per-request seeds and a chunked prefill do not mix on the CPU
-            max_num_batched_tokens=max(8192, min(max_prompt_tokens + r.max_new_tokens, _positions(model))
-                                       * r.generation_batch_size),
+            max_num_batched_tokens=max(8192, longest * r.generation_batch_size),
             **memory, **launched)
-        _restore_threads(threads)
-        self.synced_version: object = None
+        _SET_NUM_THREADS(threads)  # the training passes keep the thread count they had before the engine
 
-    def sync(self, model, version: object = None) -> None:
-        """Give the engine the policy's current weights (LoRA merged), unless `version` is the one it has."""
-        if version is not None and version == self.synced_version:
-            return
+    def sync(self, model) -> None:
+        """Give the engine the policy's current weights (LoRA merged)."""
         with torch.no_grad(), merged_adapter(model):
             state = {_hf_name(k): t for k, t in base_model(model).state_dict().items() if "lora_" not in k}
             if self.cfg.rollout.vllm.sleep:
@@ -96,11 +93,10 @@ class VLLMEngine:
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=list(state.items()),
                                                                   is_checkpoint_format=True))
         self.llm.reset_prefix_cache()
-        self.synced_version = version
 
     def generate(self, prompts: list[str], *, num_return_sequences: int, row_seeds: list[int] | None,
-                 max_new_tokens: int, min_new_tokens: int, temperature: float, top_p: float, top_k: int,
-                 do_sample: bool = True) -> Generation:
+                 max_new_tokens: int, min_new_tokens: int, temperature: float, top_p: float, top_k: int
+                 ) -> Generation:
         """`num_return_sequences` completions per prompt, rows prompt-major (as generation.generate)."""
         from vllm import SamplingParams, TokensPrompt
 
@@ -115,8 +111,7 @@ class VLLMEngine:
                 requests.append(TokensPrompt(prompt_token_ids=p))
                 params.append(SamplingParams(
                     n=1, max_tokens=max_new_tokens, min_tokens=min_new_tokens, logprobs=0,
-                    temperature=temperature if do_sample else 0.0, top_p=top_p if do_sample else 1.0,
-                    top_k=top_k if do_sample and top_k > 0 else -1,
+                    temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else -1,
                     seed=row_seeds[row] if row_seeds is not None else None,
                     stop_token_ids=self.stop, ignore_eos=False, skip_special_tokens=True,
                     repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0))
@@ -132,7 +127,6 @@ class VLLMEngine:
         if self.cfg.rollout.vllm.sleep:
             self.llm.sleep(level=1)
         return gen
-
 
     def close(self) -> None:
         """Shut the engine down and release vLLM's process-wide state (its parallel groups), so that a
@@ -159,9 +153,3 @@ def _positions(model) -> int:
 def _hf_name(key: str) -> str:
     """A parameter name of the (merged) PEFT-wrapped base model as the checkpoint names it."""
     return key.replace(".base_layer.", ".")
-
-
-def _restore_threads(n: int) -> None:
-    """vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process; the training
-    passes run with the thread count they had before the engine started."""
-    _SET_NUM_THREADS(n)

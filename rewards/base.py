@@ -91,10 +91,9 @@ class FunctionReward(Reward):
     the component's `params`), so `def reward_len(completions, **kwargs)` and
     `def accuracy_reward(completions, solution, **kwargs)` work as written. A function without
     `**kwargs` gets only the arguments it names. An `async def` function is run to completion. A None
-    in its list means "no value for this completion". TRL's two logging hooks are passed too:
-    `log_extra(column, values)` puts one value per completion into that completion's trace (this
-    component's `info`), and `log_metric(name, value)` adds a scalar to the step's metrics record (the
-    mean of the step's calls), read back from `logged_metrics` after each call.
+    in its list means "no value for this completion". TRL's two logging hooks, `log_extra` and
+    `log_metric`, come among the columns from the `CompositeReward` that calls it (which owns where
+    their values go).
 
     >>> def reward_len(completions, **kwargs):
     ...     return [-abs(20 - len(c)) for c in completions]
@@ -112,29 +111,17 @@ class FunctionReward(Reward):
             parameters = [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
         self._takes_all = any(p.kind is p.VAR_KEYWORD for p in parameters)
         self._names = {p.name for p in parameters}
-        self.logged_metrics: dict[str, list[float]] = {}  # the last call's log_metric values
 
     def explain(self, prompts: list, completions: list, **columns: Any) -> list[Score]:
-        extras: dict[str, list] = {}
-        logged: dict[str, list[float]] = {}
-
-        def log_extra(column: str, values: list) -> None:
-            extras[str(column)] = list(values)
-
-        def log_metric(name: str, value: float) -> None:
-            logged.setdefault(str(name), []).append(float(value))
-
-        kwargs = {"prompts": prompts, "completions": completions, "log_extra": log_extra,
-                  "log_metric": log_metric, **columns, **self.params}
+        kwargs = {"prompts": prompts, "completions": completions, **columns, **self.params}
         if not self._takes_all:
             kwargs = {k: v for k, v in kwargs.items() if k in self._names}
         values = self.fn(**kwargs)
         if inspect.isawaitable(values):
             values = asyncio.run(_awaited(values))
-        self.logged_metrics = logged
         if not isinstance(values, (list, tuple)):
             raise RewardError(f"reward {self.name!r} returned {type(values).__name__}, expected a list")
-        return [Score(v, {k: vals[i] for k, vals in extras.items() if i < len(vals)}) for i, v in enumerate(values)]
+        return [Score(v) for v in values]
 
 
 async def _awaited(awaitable):
@@ -164,6 +151,9 @@ def registered() -> list[str]:
     return sorted(_REGISTRY)
 
 
+_FILE_MODULES: dict[Path, Any] = {}  # reward files loaded by path
+
+
 def _import(module: str):
     """A module by dotted name (found from the working folder too, as `python -c` would) or by file path
     (`my_rewards.py`, `path/to/rewards.py`)."""
@@ -171,10 +161,12 @@ def _import(module: str):
         path = Path(module).resolve()
         if not path.is_file():
             raise ImportError(f"no file {module}")
-        spec = importlib.util.spec_from_file_location(f"_docuchat_rewards_{path.stem}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+        if path not in _FILE_MODULES:  # (run once per file, as an import is: training and evaluation share it)
+            spec = importlib.util.spec_from_file_location(f"_docuchat_rewards_{path.stem}", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            _FILE_MODULES[path] = mod
+        return _FILE_MODULES[path]
     cwd = str(Path.cwd())
     if cwd not in sys.path and "" not in sys.path:  # (a console script's path starts at its own bin folder)
         sys.path.append(cwd)

@@ -6,6 +6,11 @@ NOT renormalised (as TRL's nansum): renormalising would hand a failed correctnes
 the others (format alone would then carry it), which invites reward hacking. When no component has a
 value the total is 0.0 and the record says `total_missing`.
 
+Every component also gets TRL's two logging hooks among its columns: `log_extra(column, values)` (one
+value per completion, into that completion's `info` for this component) and `log_metric(name, value)`
+(into `BatchResult.metrics`); each call has its own, so a timed-out call abandoned in its thread logs
+into nothing.
+
 A failure is any of: the call raised, returned a non-list or the wrong number of values, returned a
 non-number, NaN or inf (that completion only), or ran past `timeout_s`. It is recorded in the
 component's `error` field and counted in `errors[name]`; with `strict=True` it raises `RewardFailure`
@@ -117,10 +122,15 @@ class CompositeReward:
         result = BatchResult(records=[])
         for name, weight, reward in self.components:
             t0 = time.perf_counter()
+            extras: dict[str, list] = {}  # this call's log_extra columns (TRL's hook): into each completion's info
+            logged: dict[str, list[float]] = {}  # this call's log_metric values (TRL's hook): into result.metrics
+            hooks = {"log_extra": lambda column, values, extras=extras: extras.__setitem__(str(column), list(values)),
+                     "log_metric": lambda key, value, logged=logged: logged.setdefault(str(key), []).append(
+                         float(value))}
             try:
-                scores = self._call(reward, prompts, completions, columns)
+                scores = self._call(reward, prompts, completions, {**columns, **hooks})
                 batch_error = None
-                for key, values in getattr(reward, "logged_metrics", {}).items():
+                for key, values in logged.items():
                     result.metrics.setdefault(key, []).extend(values)
             except Exception as e:  # isolation: any failure of a user's reward is recorded, not raised
                 if self.strict:
@@ -131,6 +141,7 @@ class CompositeReward:
             for i, s in enumerate(scores):
                 error = batch_error
                 raw, info = (s.value, s.info) if isinstance(s, Score) else (s, {})
+                info = {**info, **{k: v[i] for k, v in extras.items() if i < len(v)}}
                 if error is None and raw is not None:
                     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
                         error, raw = f"returned {type(raw).__name__} {str(raw)[:40]!r}, expected a number", None

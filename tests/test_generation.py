@@ -139,8 +139,8 @@ def test_sliding_window_model_falls_back_to_a_growing_cache_and_matches(tiny):
 
 def test_unknown_engine_is_refused(tiny):
     model, tok = tiny
-    with pytest.raises(ValueError, match="valid: fast, hf"):
-        generate(model, tok, ["x"], max_new_tokens=1, do_sample=False, engine="vllm")
+    with pytest.raises(ValueError, match="valid: fast, hf, vllm"):
+        generate(model, tok, ["x"], max_new_tokens=1, do_sample=False, engine="sglang")
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf"])
@@ -201,3 +201,17 @@ def test_row_seeds_make_each_row_independent_of_batching_and_engine(tiny):
     hf = generate(model, tok, prompts, batch_size=18, row_seeds=seeds, engine="hf", **kw)
     assert hf.completion_ids == big.completion_ids
     assert len({tuple(c) for c in big.completion_ids}) > 6  # really sampled
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf", "vllm"])
+def test_generation_builds_no_autograd_graph(tiny, engine):
+    """Sampling runs without gradients whatever the engine name (vllm: our fast loop, as evaluation and
+    chat use it), even on a model with trainable parameters."""
+    model, tok = tiny
+    seen = []
+    handle = model.register_forward_hook(lambda mod, args, out: seen.append(torch.is_grad_enabled()))
+    try:
+        generate(model, tok, ["What is 2 + 2?"], max_new_tokens=3, do_sample=True, engine=engine)
+    finally:
+        handle.remove()
+    assert seen and not any(seen)

@@ -116,7 +116,7 @@ def test_a_weight_sync_gives_the_engine_the_trained_policy(engine):
     stale = eng.generate(prompts(tok), **kw)
     stale_err = max(abs(a - b) for r, q in zip(stale.logps, warped_logps(model, stale, 1.0, 0, 1.0))
                     for a, b in zip(r, q))
-    eng.sync(model, version="moved")
+    eng.sync(model)
     fresh = eng.generate(prompts(tok), **kw)
     fresh_err = max(abs(a - b) for r, q in zip(fresh.logps, warped_logps(model, fresh, 1.0, 0, 1.0))
                     for a, b in zip(r, q))
