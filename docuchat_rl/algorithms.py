@@ -202,6 +202,7 @@ class GRPO(Algorithm):
     """
 
     def advantages(self, batch: Batch) -> dict[str, float]:
+        """Each row's reward against its group's (or, decoupled, each component's against its group's)."""
         a = self.cfg.algorithm
         adv, zero_std = group_advantages(batch.rewards, batch.group, a.scale, a.std_epsilon,
                                          valid=batch.reward_valid, reduce=self.reduce)  # [R], [groups]
@@ -214,6 +215,7 @@ class GRPO(Algorithm):
         return {"zero_std_frac": float(zero / n.clamp(min=1.0))}
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
+        """The configured surrogate, then the masks, sampler weights, KL, aggregation and entropy bonus."""
         a, mask, adv = self.cfg.algorithm, mb.completion_mask, mb.advantages
         old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)  # [r, T] or [r, 1]
@@ -305,6 +307,7 @@ class ActorCritic(Algorithm):
         raise NotImplementedError
 
     def advantages(self, batch: Batch) -> dict[str, float]:
+        """Token rewards -> the subclass's advantages and returns (whitened if asked), and value metrics."""
         a = self.cfg.algorithm
         valid = batch.reward_valid.float().unsqueeze(-1)  # [R, 1]: rows without a reward value drop out
         mask = batch.completion_mask * valid  # [R, T]
@@ -359,12 +362,14 @@ class A2C(ActorCritic):
     clipping, one update."""
 
     def returns_and_advantages(self, batch, rewards, dones):
+        """n-step returns bootstrapped from the critic's values; advantage = return - value."""
         a = self.cfg.algorithm
         ret = nstep_returns(rewards, batch.values, dones, torch.zeros(batch.rows, device=rewards.device),
                             a.gamma, a.n_steps)
         return ret - batch.values, ret
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
+        """-A * log pi (sampler-corrected, + KL) plus the critic's terms; no ratio."""
         a, mask = self.cfg.algorithm, mb.completion_mask
         weights, metrics = self.sampler_correction(out.logps, mb)
         per_token = -mb.advantages * out.logps  # [r, T]
