@@ -39,6 +39,9 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a LoRA adapter with RL; evaluates before and after")
     _common(t)
     t.add_argument("--resume", default=None, help="'latest', a run folder or a checkpoint folder")
+    t.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+                   help="stop after this step with a checkpoint (the schedule still spans run.steps); "
+                   "go on later with --resume latest")
     e = sub.add_parser("eval", help="greedy accuracy, pass@k and reward means on the held-out set")
     _common(e)
     e.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter) to apply")
@@ -92,6 +95,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _resume_command(args) -> list[str]:
+    """The `docuchat-rl train` command line that goes on from this run's latest checkpoint."""
+    return ["docuchat-rl", "train", *(["--config", args.config] if args.config else []),
+            *[a for s in args.overrides for a in ("--set", s)], "--resume", "latest"]
+
+
 def cmd_train(args, on_phase=None) -> int:
     """Train, with the before/after evaluation; on SIGTERM/SIGINT print how to resume (exit 128 + signal).
     `on_phase`: see Trainer (the fault soak's seam)."""
@@ -108,15 +117,18 @@ def cmd_train(args, on_phase=None) -> int:
             report["before"] = trainer.evaluate()
             if trainer.is_main:
                 print("eval before:", json.dumps(report["before"]), flush=True)
-        trainer.train()
+        trainer.train(stop_after=args.stop_after)
     except Preempted as p:
-        resume = ["docuchat-rl", "train", *(["--config", args.config] if args.config else []),
-                  *[a for s in args.overrides for a in ("--set", s)], "--resume", "latest"]
         if trainer.is_main:
-            print(f"docuchat-rl: {p}; resume with: {shlex.join(resume)}", file=sys.stderr, flush=True)
+            print(f"docuchat-rl: {p}; resume with: {shlex.join(_resume_command(args))}", file=sys.stderr, flush=True)
         return 128 + p.signal_number
     finally:
         trainer.close()
+    if trainer.step < cfg.run.steps:  # --stop-after: no "after" evaluation of an unfinished run
+        if trainer.is_main:
+            print(f"docuchat-rl: stopped after step {trainer.step} of {cfg.run.steps}; go on with: "
+                  f"{shlex.join(_resume_command(args))}", file=sys.stderr, flush=True)
+        return 0
     if do_eval:
         last = trainer.last_eval
         # the periodic eval of the final step is the same evaluation: reuse it

@@ -161,10 +161,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def train(self, stop_after: int | None = None) -> list[dict]:
-        """Run to `run.steps` (or stop after step `stop_after`, for tests). Returns the metric records.
+        """Run to `run.steps`, or stop after step `stop_after` with its checkpoint written (the schedule
+        still spans run.steps: a long run split over several jobs). Returns the metric records.
         Raises Preempted after SIGTERM/SIGINT, at the next safe point: before a step's update (the step is
         dropped and replayed on resume, its random draws and data position rewound) or after a step."""
         cfg, history, bar = self.cfg, [], None
+        if stop_after is not None and not self.step < stop_after <= cfg.run.steps:
+            raise TrainingError(f"--stop-after {stop_after}: must come after the run's last step ({self.step}) "
+                                f"and not beyond run.steps ({cfg.run.steps})")
         if cfg.logging.progress and self.is_main:
             from tqdm.auto import tqdm
 
@@ -173,7 +177,7 @@ class Trainer:
         try:
             with self.preemption.handling():
                 for step in range(self.step + 1, cfg.run.steps + 1):
-                    m = self._step(step, started)
+                    m = self._step(step, started, last=step in (cfg.run.steps, stop_after))
                     history.append(m)
                     if bar is not None:
                         bar.update(1)
@@ -190,8 +194,8 @@ class Trainer:
                 bar.close()
         return history
 
-    def _step(self, step: int, started: float) -> dict:
-        """One whole step, phase by phase; -> its metrics record."""
+    def _step(self, step: int, started: float, last: bool = False) -> dict:
+        """One whole step, phase by phase; -> its metrics record. A `last` step is always checkpointed."""
         timer, rng, data = Timer(), RandomState.capture(), self.collector.sampler.state()
         self.on_phase("rollout")
         rollout = self.collect(timer)  # rollout + score
@@ -214,7 +218,7 @@ class Trainer:
         self.on_phase("log")
         m = self.log(step, rollout, batch, extra, timer)
         self.step = step
-        if step % self.cfg.checkpoint.every == 0 or step == self.cfg.run.steps:
+        if step % self.cfg.checkpoint.every == 0 or last:
             self.on_phase("checkpoint")
             self.checkpoint(step)
         self.on_phase("idle")

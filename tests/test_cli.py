@@ -73,3 +73,17 @@ def test_train_reports_before_and_after_and_reuses_the_final_periodic_eval(tmp_p
     assert main(["train", "--set", f"run.output_dir={out}"]) == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--resume latest" in err and "run.overwrite=true" in err
+
+
+def test_stop_after_checkpoints_mid_schedule_says_how_to_go_on_and_refuses_a_step_already_done(tmp_path, capsys):
+    out = tmp_path / "run"
+    sets = [f"run.output_dir={out}", "run.steps=3", "checkpoint.every=50", "rollout.prompts_per_step=2",
+            "rollout.num_generations=2", "rollout.max_new_tokens=8", "eval.before_and_after=false",
+            "logging.progress=false"]
+    argv = ["train", *[x for s in sets for x in ("--set", s)]]
+    assert main([*argv, "--stop-after", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "stopped after step 1 of 3; go on with: docuchat-rl train" in err and err.rstrip().endswith("--resume latest")
+    assert (out / "latest").read_text().strip() == "checkpoint-1"  # written although checkpoint.every is 50
+    assert main([*argv, "--resume", "latest", "--stop-after", "1"]) == 2
+    assert "--stop-after 1: must come after the run's last step (1)" in capsys.readouterr().err

@@ -10,6 +10,7 @@ noise (the GRPO loss at mu = 1, about 1e-8; the sampler mismatch, about 3e-7, up
 runs without the shared-prompt forward) are compared absolutely, at 1e-6 and 1e-5."""
 
 import math
+import shutil
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ TIMING = ("time/", "rollout_tokens_per_s")
 FSDP2 = ROOT / "config" / "accelerate" / "fsdp2_cpu_2_processes.yaml"
 
 
-def _train(out, procs, *sets, recipe="default", resume=False, check=True, fsdp=False):
+def _train(out, procs, *sets, recipe="default", resume=False, check=True, fsdp=False, stop_after=None):
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs)] if procs > 1 \
         else [sys.executable]
     if fsdp:  # the shipped accelerate config, through accelerate's own launcher
@@ -37,11 +38,52 @@ def _train(out, procs, *sets, recipe="default", resume=False, check=True, fsdp=F
     for s in [*SHORT, f"run.output_dir={out}", *sets]:
         args += ["--set", s]
     args += ["--resume", "latest"] if resume else []
+    args += ["--stop-after", str(stop_after)] if stop_after else []
     proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """`launched(procs, *sets, **kw)` -> (folder, stderr) of a finished `_train` run with those arguments, made
+    once per module and shared by the tests that read it (a launch costs ~12 s, mostly imports). Read-only:
+    a test that goes on from it (resume) works on a `_copy`."""
+    runs = {}
+
+    def get(procs, *sets, **kw):
+        key = (procs, sets, tuple(sorted(kw.items())))
+        if key not in runs:
+            out = tmp_path_factory.mktemp("launched") / "run"
+            runs[key] = (out, _train(out, procs, *sets, **kw).stderr) if procs > 1 else (_train_here(out, *sets, **kw), "")
+        return runs[key]
+
+    return get
+
+
+def _train_here(out, *sets, recipe="default", stop_after=None, fsdp=False):
+    """What `_train(out, 1, ...)` runs, in this process (a new interpreter spends ~10 s importing)."""
+    import torch
+
+    assert not fsdp  # (FSDP2 needs its launcher)
+
+    from docuchat_rl.config import load_config
+    from docuchat_rl.trainer import Trainer
+
+    threads = torch.get_num_threads()  # (run.threads=1 sets it for the whole process)
+    trainer = Trainer(load_config(ROOT / "config" / f"{recipe}.yaml", [*SHORT, f"run.output_dir={out}", *sets]))
+    try:
+        trainer.train(stop_after=stop_after)
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+    return out
+
+
+def _copy(run, to):
+    return shutil.copytree(run, to, symlinks=True)
 
 
 def _schedule(sets, total):
@@ -109,16 +151,16 @@ UNMERGED = ["rollout.merge_adapter=false"]
     ("a2c", A2C + UNMERGED + ["rollout.engine=hf"], SHARDED_GENERATION),
 ], ids=["grpo", "ppo", "a2c-separate-critic", "grpo-dynamic-sampling", "fsdp2-grpo-dynamic-sampling", "fsdp2-ppo",
         "fsdp2-a2c-separate-critic-hf-engine"])
-def test_two_processes_equal_one(tmp_path, recipe, sets, fsdp):
+def test_two_processes_equal_one(launched, recipe, sets, fsdp):
     opts = ["run.steps=3", "checkpoint.every=3", *sets]
-    _train(tmp_path / "one", 1, *opts, recipe=recipe)
-    proc = _train(tmp_path / "two", 2, *opts, *(fsdp or []), recipe=recipe, fsdp=fsdp is not None)
-    assert ("FSDP2 over 4 LlamaDecoderLayer modules on 2 processes" in proc.stderr) == (fsdp is not None)
-    one, two = _untimed(tmp_path / "one" / "traces.jsonl"), _untimed(tmp_path / "two" / "traces.jsonl")
+    one_dir, _ = launched(1, *opts, recipe=recipe)
+    two_dir, stderr = launched(2, *opts, *(fsdp or []), recipe=recipe, fsdp=fsdp is not None)
+    assert ("FSDP2 over 4 LlamaDecoderLayer modules on 2 processes" in stderr) == (fsdp is not None)
+    one, two = _untimed(one_dir / "traces.jsonl"), _untimed(two_dir / "traces.jsonl")
     key = [(r["step"], r["prompt_id"], r["group"], r["sample"], r["completion"]) for r in one]
     assert key == [(r["step"], r["prompt_id"], r["group"], r["sample"], r["completion"]) for r in two]
     _assert_close(one, two)  # rewards identical; advantages (and PPO values) to float tolerance
-    m1, m2 = _untimed(tmp_path / "one" / "metrics.jsonl"), _untimed(tmp_path / "two" / "metrics.jsonl")
+    m1, m2 = _untimed(one_dir / "metrics.jsonl"), _untimed(two_dir / "metrics.jsonl")
     _assert_close(m1, m2)
     # the schedule moved exactly once per optimizer step on both (accelerate's would move once per process)
     per_step = m1[0]["optimizer_steps"]
@@ -129,34 +171,48 @@ def test_two_processes_equal_one(tmp_path, recipe, sets, fsdp):
         assert [(m["prompts_sampled"], m["groups_used"]) for m in m1][1] == (5, 1)
     if "eval.every=3" in sets:  # the same held-out numbers from one process and from two halves
         drop = ("seconds", "minutes")
-        e1, e2 = ([{k: v for k, v in r.items() if k not in drop} for r in read_jsonl(tmp_path / d / "eval.jsonl")]
-                  for d in ("one", "two"))
+        e1, e2 = ([{k: v for k, v in r.items() if k not in drop} for r in read_jsonl(d / "eval.jsonl")]
+                  for d in (one_dir, two_dir))
         assert e1 == e2 and e1[0]["rows"] == 9 and "pass@2" in e1[0]
-    files = {p.name for p in (tmp_path / "two" / "checkpoint-3").iterdir()}
+    files = {p.name for p in (two_dir / "checkpoint-3").iterdir()}
     assert {"random_states_0.pkl", "random_states_1.pkl", "adapter_model.safetensors", "manifest.json"} <= files
 
 
+# (the uninterrupted runs are test_two_processes_equal_one's "grpo" and "fsdp2-ppo")
+STOPPED = {"ddp": ("default", GRPO + EVAL, False), "fsdp2": ("ppo", PPO, True)}
+
+
+def _stopped(launched, name, procs=2):
+    """A run of STOPPED[name]'s settings on `procs` processes, stopped after step 2 of 3 (--stop-after: its
+    checkpoint written mid-schedule, with the cosine schedule still spanning 3 steps)."""
+    recipe, sets, fsdp = STOPPED[name]
+    return launched(procs, "run.steps=3", "checkpoint.every=3", *sets, recipe=recipe, fsdp=fsdp, stop_after=2)[0]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
-def test_two_process_stop_and_resume_equals_an_uninterrupted_two_process_run(tmp_path, fsdp):
-    _train(tmp_path / "full", 2, "run.steps=4", "checkpoint.every=2", fsdp=fsdp)
-    _train(tmp_path / "cut", 2, "run.steps=2", "checkpoint.every=2", fsdp=fsdp)
-    _train(tmp_path / "cut", 2, "run.steps=4", "checkpoint.every=2", resume=True, fsdp=fsdp)
-    for name in ("traces.jsonl", "metrics.jsonl"):
-        assert _untimed(tmp_path / "cut" / name) == _untimed(tmp_path / "full" / name)
+@pytest.mark.parametrize("name", list(STOPPED))
+def test_two_process_stop_and_resume_equals_an_uninterrupted_two_process_run(tmp_path, launched, name):
+    recipe, sets, fsdp = STOPPED[name]
+    opts = ["run.steps=3", "checkpoint.every=3", *sets]
+    full, _ = launched(2, *opts, recipe=recipe, fsdp=fsdp)
+    cut = _copy(_stopped(launched, name), tmp_path / "cut")
+    assert [r["step"] for r in read_jsonl(cut / "metrics.jsonl")] == [1, 2] and (cut / "checkpoint-2").is_dir()
+    _train(cut, 2, *opts, recipe=recipe, fsdp=fsdp, resume=True)
+    for file in ("traces.jsonl", "metrics.jsonl"):
+        assert _untimed(cut / file) == _untimed(full / file)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("wrote,resumes", [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_on_another_number_of_processes_with_one_warning(tmp_path, wrote, resumes):
+def test_a_checkpoint_resumes_on_another_number_of_processes_with_one_warning(tmp_path, launched, wrote, resumes):
     """(1 -> 2: the new process finds no random state of its own in the checkpoint and keeps its seeded one.)"""
-    _train(tmp_path / "run", wrote, "run.steps=2", "checkpoint.every=2")
-    proc = _train(tmp_path / "run", resumes, "run.steps=3", "checkpoint.every=2", resume=True)
+    run = _copy(_stopped(launched, "ddp", procs=wrote), tmp_path / "run")
+    proc = _train(run, resumes, "run.steps=3", "checkpoint.every=3", *GRPO, *EVAL, resume=True)
     said = f"was written by {wrote} process{'es' if wrote > 1 else ''} and resumes on {resumes}"
     assert proc.stderr.count(said) == 1 and "not bit-exactly" in proc.stderr
-    steps = [r["step"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")]
+    steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl")]
     assert steps == [1, 2, 3]
-    assert len([r for r in read_jsonl(tmp_path / "run" / "traces.jsonl")]) == 3 * 16
+    assert len([r for r in read_jsonl(run / "traces.jsonl")]) == 3 * 16
 
 
 @pytest.mark.slow
@@ -229,21 +285,28 @@ def test_an_accelerate_mixed_precision_setting_is_refused_not_ignored(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_eval_command_on_two_processes_reports_once_the_numbers_of_one(tmp_path):
+def test_the_eval_command_on_two_processes_reports_once_the_numbers_of_one(capsys):
     import json
 
-    def run(procs):
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] if procs > 1 \
-            else [sys.executable]
-        sets = ["eval.limit=9", "eval.max_new_tokens=24", "eval.pass_k=2"]
-        proc = subprocess.run([*launcher, "-m", "docuchat_rl", "eval", "--config", str(ROOT / "config" / "default.yaml"),
-                               *[x for s in sets for x in ("--set", s)]], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert proc.stdout.count('"rows": 9') == 1  # printed by the main process only
-        return {k: v for k, v in json.loads(proc.stdout).items() if k != "seconds"}
+    import torch
 
-    one, two = run(1), run(2)
+    from docuchat_rl.cli import main
+
+    argv = ["eval", "--config", str(ROOT / "config" / "default.yaml"),
+            *[x for s in ["eval.limit=9", "eval.max_new_tokens=24", "eval.pass_k=2"] for x in ("--set", s)]]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # (as each launched process: OMP_NUM_THREADS=1)
+    try:
+        assert main(argv) == 0  # one process: this one
+    finally:
+        torch.set_num_threads(threads)
+    one = capsys.readouterr().out
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "docuchat_rl",
+                           *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count('"rows": 9') == one.count('"rows": 9') == 1  # printed by the main process only
+    one, two = ({k: v for k, v in json.loads(out).items() if k != "seconds"} for out in (one, proc.stdout))
     assert one == two and "pass@2" in one
 
 
