@@ -13,8 +13,9 @@ Two engines, the same contract:
   preallocated static buffers instead of concatenating a growing cache every token, and attends only to
   their filled part; logits are computed for the last position only and sampled with one uniform per
   row through the float64 CDF (drawing a random number per vocabulary entry, as `multinomial` and the
-  Gumbel or exponential tricks do, costs more than a layer of the embedded model); it stops as soon as every row
-  has ended. Hand-written because `generate` offers none of this for sampling. Models whose cache is
+  Gumbel or exponential tricks do, costs more than a layer of the embedded model); once a quarter of the
+  rows still decoding have ended, they are dropped from the batch and cache (with row seeds, as every
+  rollout has, each row's draws are its own, so this changes nothing but the work); it stops as soon as every row has ended. Hand-written because `generate` offers none of this for sampling. Models whose cache is
   not plain full attention (sliding windows, linear attention) keep a growing cache, repeated per sample.
 - `hf`: `transformers.generate`, for anything the fast loop does not cover.
 
@@ -210,26 +211,38 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
             (mask == 0)[:, None, None, :], torch.finfo(dtype).min)  # [R, 1, 1, Lp + N]
     next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
     stop_t = torch.tensor(stop, device=input_ids.device)
-    done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # [R]
-    tokens, logps = [], []
+    done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # [r]: of the rows still decoding
+    tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=input_ids.device)  # [R, N]
+    logps = torch.zeros(rows, max_new_tokens, device=input_ids.device)  # [R, N]
+    alive = None  # [r]: the rows still decoding, once finished ones were dropped (None: every row)
+    compact = lockstep is None and _is_filled_static(cache)
+    steps = 0
     for t in range(max_new_tokens):
         if t < min_new_tokens:  # no EOS yet, as transformers' MinNewTokensLengthLogitsProcessor
             logits = logits.index_fill(-1, stop_t, float("-inf"))
         draw = sample(logits, do_sample, processors, None if uniforms is None else uniforms[:, t:t + 1])
-        nxt = draw.tokens.masked_fill(done, pad)  # [R]
-        tokens.append(nxt)
-        logps.append(draw.logps)
+        nxt = draw.tokens.masked_fill(done, pad)  # [r]
+        where = slice(None) if alive is None else alive
+        tokens[where, t], logps[where, t], steps = nxt, draw.logps, t + 1
         done |= torch.isin(nxt, stop_t)
         if t == max_new_tokens - 1:
             break
         if (t + 1) % DONE_CHECK_EVERY == 0 or lockstep:  # (reading `done` waits for the device: not every token)
-            going = not bool(done.all())
+            finished = int(done.sum())
+            going = finished < done.numel()
             if not (lockstep(going) if lockstep else going):
                 break
+            if compact and finished * 4 >= done.numel():  # a quarter or more have ended: decode without them
+                keep = (~done).nonzero().squeeze(-1)  # [r']
+                alive = keep if alive is None else alive[keep]
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
+                mask, next_pos, done, nxt = mask[keep], next_pos[keep], done[keep], nxt[keep]
+                uniforms = None if uniforms is None else uniforms[keep]
         out = model(input_ids=nxt[:, None], attention_mask=mask[..., :lp + t + 1], position_ids=next_pos + t,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]  # [R, V]
-    return torch.stack(tokens, 1), torch.stack(logps, 1)  # [R, steps], [R, steps]
+        logits = out.logits[:, -1]  # [r, V]
+    return tokens[:, :steps], logps[:, :steps]  # [R, steps], [R, steps]
 
 
 @contextlib.contextmanager

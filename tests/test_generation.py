@@ -203,6 +203,33 @@ def test_row_seeds_make_each_row_independent_of_batching_and_engine(tiny):
     assert len({tuple(c) for c in big.completion_ids}) > 6  # really sampled
 
 
+def test_finished_rows_leave_the_decode_batch_and_every_row_samples_as_before(tiny):
+    """Once a quarter of the rows have ended, the fast loop decodes without them: its later model calls
+    get fewer rows, and every row's completion and log-probs are what transformers.generate draws with the
+    same row seeds."""
+    from docuchat_rl.rollout import row_seed
+
+    model, tok = tiny
+    prompts = _prompts(tok, 8)
+    seeds = [row_seed(0, 2, p, s) for p in range(8) for s in range(4)]
+    kw = dict(max_new_tokens=64, do_sample=True, num_return_sequences=4, batch_size=32, row_seeds=seeds)
+    rows_per_call = []
+    handle = model.register_forward_hook(lambda mod, args, kwargs, out: rows_per_call.append(
+        kwargs["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        fast = generate(model, tok, prompts, **kw)
+    finally:
+        handle.remove()
+    decode = rows_per_call[1:]  # (the first call is the prefill of the 8 distinct prompts)
+    assert decode[0] == 32 and min(decode) < 32 and decode == sorted(decode, reverse=True)
+    lengths = sorted(len(c) for c in fast.completion_ids)
+    assert lengths[0] < lengths[-1]  # rows really ended at different steps
+    hf = generate(model, tok, prompts, engine="hf", **kw)
+    assert fast.completion_ids == hf.completion_ids and fast.truncated == hf.truncated
+    for a, b in zip(fast.logps, hf.logps):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+
+
 @pytest.mark.parametrize("engine", ["fast", "hf", "vllm"])
 def test_generation_builds_no_autograd_graph(tiny, engine):
     """Sampling runs without gradients whatever the engine name (vllm: our fast loop, as evaluation and
