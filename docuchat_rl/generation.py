@@ -15,8 +15,10 @@ Two engines, the same contract:
   row through the float64 CDF (drawing a random number per vocabulary entry, as `multinomial` and the
   Gumbel or exponential tricks do, costs more than a layer of the embedded model); once a quarter of the
   rows still decoding have ended, they are dropped from the batch and cache (with row seeds, as every
-  rollout has, each row's draws are its own, so this changes nothing but the work); it stops as soon as every row has ended. Hand-written because `generate` offers none of this for sampling. Models whose cache is
-  not plain full attention (sliding windows, linear attention) keep a growing cache, repeated per sample.
+  rollout has, each row's draws are its own, so this changes nothing but the work); it stops as soon as
+  every row has ended. Hand-written because `generate` offers none of this for sampling. Models whose
+  cache is not plain full attention (sliding windows, linear attention) keep a growing cache, repeated
+  per sample.
 - `hf`: `transformers.generate`, for anything the fast loop does not cover.
 
 Deliberately left out: vLLM/SGLang engines, speculative decoding, continuous batching, compiled decode

@@ -141,7 +141,8 @@ class CompositeReward:
             for i, s in enumerate(scores):
                 error = batch_error
                 raw, info = (s.value, s.info) if isinstance(s, Score) else (s, {})
-                info = {**info, **{k: v[i] for k, v in extras.items() if i < len(v)}}
+                if extras:
+                    info = {**info, **{k: v[i] for k, v in extras.items() if i < len(v)}}
                 if error is None and raw is not None:
                     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
                         error, raw = f"returned {type(raw).__name__} {str(raw)[:40]!r}, expected a number", None

@@ -54,6 +54,7 @@ def launched(tmp_path_factory):
     runs = {}
 
     def get(procs, *sets, **kw):
+        kw = {"recipe": "default", "fsdp": False, "stop_after": None, **kw}  # (a default left out is the same run)
         key = (procs, sets, tuple(sorted(kw.items())))
         if key not in runs:
             out = tmp_path_factory.mktemp("launched") / "run"
@@ -65,9 +66,8 @@ def launched(tmp_path_factory):
 
 def _train_here(out, *sets, recipe="default", stop_after=None, fsdp=False):
     """What `_train(out, 1, ...)` runs, in this process (a new interpreter spends ~10 s importing)."""
-    import torch
-
     assert not fsdp  # (FSDP2 needs its launcher)
+    import torch
 
     from docuchat_rl.config import load_config
     from docuchat_rl.trainer import Trainer
