@@ -90,11 +90,13 @@ class Learner:
         hidden states the critic reads: the same forward's (shared backbone) or a second forward through
         the critic's own adapter (separate backbone)."""
         critic = with_critic and self.algo.critic is not None
-        # no shared-prompt forward when sharded (its number of model calls depends on the rows) nor under
-        # gradient checkpointing in train mode (transformers' checkpointed layers drop the KV cache it hands on)
+        # no shared-prompt forward and no length buckets when sharded (their number of model calls depends on
+        # the rows); no shared prompt under gradient checkpointing in train mode (transformers' checkpointed
+        # layers drop the KV cache it hands on)
         checkpointed = self.cfg.model.gradient_checkpointing and self.model.training
         kw.update(temperature=self.cfg.rollout.temperature, logit_chunk=self.logit_chunk,
-                  share_prompt=self.cfg.optim.share_prompt and not self.sharded and not checkpointed)
+                  share_prompt=self.cfg.optim.share_prompt and not self.sharded and not checkpointed,
+                  length_buckets=1 if self.sharded else self.cfg.optim.length_buckets)
         out = policy_forward(self.model, mb, with_hidden=critic and not self.separate_critic, **kw)
         if critic and self.separate_critic:
             with active_adapter(self.model, CRITIC_ADAPTER, self.params):

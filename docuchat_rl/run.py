@@ -30,6 +30,7 @@ from .data import DataError, Example, PromptSampler, load_split, render_prompt
 from .distributed import (Dist, Sharding, ShardingError, held_bytes, on_cpu, shard_layers, sharding_from_launcher,
                           without_fsdp_env)
 from .errors import CheckpointWarning, TrainingError
+from .fused_lora import fuse_lora
 from .learner import Learner
 from .modeling import add_critic_adapter, build_lora, disable_dropout, load_model_and_tokenizer
 from .outputs import JsonlWriter, RunLock, check_writable, claim_output_dir
@@ -287,6 +288,8 @@ def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algo
             add_critic_adapter(model, cfg.lora)
             params = [p for p in model.parameters() if p.requires_grad]
         params += list(algo.critic.parameters())
+    if cfg.lora.fused and not place.sharding:  # (under FSDP2 the layers' weights are gathered per forward: peft's path)
+        fuse_lora(model)
     if place.sharding:  # the decoder layers' frozen weights split across processes; trainable ones stay whole
         place.sharded_layers = shard_layers(model, place.sharding)
         if cfg.rollout.sharded_generation:  # decode on the sharded weights, every process in lockstep

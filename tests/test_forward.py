@@ -125,8 +125,8 @@ def test_shared_prompt_forward_skips_itself_when_no_group_repeats(tiny):
     model, tok = tiny
     assert _shared_prompt_forward(model, _group_batch(tok, [0, 1, 2])) is None
     with torch.no_grad():
-        shared = _shared_prompt_forward(model, _group_batch(tok, [0, 0, 1]))  # hidden states [R, T, H]
-    assert shared is not None and shared.shape[0] == 3
+        shared = _shared_prompt_forward(model, _group_batch(tok, [0, 0, 1]))  # one part: hidden states [R, T, H]
+    assert shared is not None and len(shared) == 1 and shared[0].shape[0] == 3
 
 
 def _tiny_arch(name, tok):
@@ -172,6 +172,82 @@ def test_chunked_log_probs_equal_the_full_logits_path_with_gradients(tiny, arch,
         for n in g0:
             assert (g0[n] - g1[n]).norm() <= 1e-5 * g0[n].norm() + 1e-8, n
     finally:
+        pm.unload()
+
+
+def test_length_buckets_are_the_cheapest_cut_of_the_sorted_rows():
+    """bucket_rows against every way of cutting the length-sorted rows into at most `most` runs."""
+    import itertools
+    import random
+
+    from docuchat_rl.forward import bucket_rows
+
+    def cost(buckets, lens, extra):
+        return sum(len(b) * max(max(lens[r], 1) for r in b) + extra for b in buckets)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lens = [rng.choice([0, 1, 2, 5, 9, 30, 31, 64]) for _ in range(rng.randint(1, 9))]
+        most, extra = rng.randint(1, 4), rng.choice([0, 8, 32, 200])
+        got = bucket_rows(lens, most, extra)
+        assert sorted(r for b in got for r in b) == list(range(len(lens))) and len(got) <= most
+        assert all(b == sorted(b) for b in got)  # each bucket keeps the rows' order
+        widths = sorted({max(n, 1) for n in lens})
+        best = min(cost([[r for r, n in enumerate(lens) if lo <= max(n, 1) <= hi] for lo, hi in runs], lens, extra)
+                   for k in range(min(most, len(widths)))
+                   for cuts in itertools.combinations(range(1, len(widths)), k)
+                   for runs in [list(zip([widths[0]] + [widths[c] for c in cuts],
+                                         [widths[c - 1] for c in cuts] + [widths[-1]]))])
+        assert cost(got, lens, extra) == best, (lens, most, extra, got)
+    assert bucket_rows([3, 60, 3, 60], most=1) == [[0, 1, 2, 3]]
+
+
+def _ragged_batch(tok):
+    """Rows of three groups whose completions run from 2 to ~60 tokens: a forward split by length."""
+    prompts = _prompts(tok)
+    short, long = "<answer>7</answer>", "<think>\n" + "3 + 4 = 7\n" * 8 + "</think>\n<answer>7</answer>"
+    rows = [(0, long), (0, short), (0, "<think>"), (1, short), (1, long), (1, long[:40]), (2, short), (2, long)]
+    p_ids = [tok(prompts[g % 2], add_special_tokens=False)["input_ids"] for g, _ in rows]
+    c_ids = [tok(c, add_special_tokens=False)["input_ids"] for _, c in rows]
+    return build_batch(p_ids, c_ids, [0.0] * len(rows), [g for g, _ in rows], tok.pad_token_id)
+
+
+@pytest.mark.parametrize("arch", ["default", "qwen2", "gemma2", "mistral", "gpt2"])
+@pytest.mark.parametrize("share", [False, True], ids=["plain", "shared-prompt"])
+def test_length_buckets_give_the_one_forward_values_hidden_and_gradients(tiny, arch, share):
+    """Split by completion length (each bucket padded to its own longest, the shared prompt still run once):
+    log-probs, entropies, hidden states and LoRA gradients equal one forward padded to the longest row;
+    Mistral's sliding window (8 < the prompt) and Gemma2's soft-capping included."""
+    base, tok = tiny
+    model = base if arch == "default" else _tiny_arch(arch, tok)
+    pm = with_lora(model, ["c_attn"] if arch == "gpt2" else ["q_proj", "v_proj", "down_proj"]).eval()
+    calls = []
+    hook = pm.get_base_model().base_model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        batch = _ragged_batch(tok)
+        results = []
+        for buckets in (1, 4):
+            pm.zero_grad()
+            calls.clear()
+            out = policy_forward(pm, batch, temperature=0.9, with_entropy=True, with_hidden=True,
+                                 share_prompt=share, length_buckets=buckets)
+            n_calls = len(calls)
+            loss = (out.logps * batch.completion_mask).sum() + (out.hidden * batch.completion_mask[..., None]).pow(2).mean()
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+            results.append((out, grads, n_calls))
+        (one, g0, calls0), (split, g1, calls1) = results
+        assert calls1 > calls0  # really split: more decoder calls
+        assert one.logps.shape == split.logps.shape == batch.completion_mask.shape
+        m = batch.completion_mask.bool()
+        assert torch.allclose(one.logps[m], split.logps[m], atol=1e-5)
+        assert torch.allclose(one.entropy[m], split.entropy[m], atol=1e-5)
+        assert torch.allclose(one.hidden[m], split.hidden[m], atol=1e-5)
+        assert g0.keys() == g1.keys() and len(g0) > 0
+        for n in g0:
+            assert (g0[n] - g1[n]).norm() <= 1e-5 * g0[n].norm() + 1e-8, n
+    finally:
+        hook.remove()
         pm.unload()
 
 
