@@ -48,7 +48,7 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-BUCKET_COST = 32  # padded positions one more forward is worth (its fixed cost: the model calls, the
+BUCKET_COST = 64  # padded positions one more forward is worth (its fixed cost: the model calls, the
 # copy of the prompt's keys/values): a cut into buckets must save more padding than this per extra bucket
 
 

@@ -27,10 +27,10 @@ def _batch(tok):
     return build_batch(p, c, [0.0] * 3, [0, 0, 0], tok.pad_token_id)
 
 
-def _run(pm, batch):
-    """(log-probs, loss, the gradient of every trainable parameter) of one forward and backward."""
+def _run(pm, batch, share_prompt=True):
+    """(log-probs, the gradient of every trainable parameter) of one forward and backward."""
     pm.zero_grad()
-    out = policy_forward(pm, batch, temperature=0.8, share_prompt=True)
+    out = policy_forward(pm, batch, temperature=0.8, share_prompt=share_prompt)
     loss = (out.logps * batch.completion_mask).sum()
     loss.backward()
     return out.logps.detach(), {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
@@ -57,10 +57,16 @@ def test_fused_projection_gives_peft_log_probs_and_gradients(tiny):
     finally:
         fused_lora._MergedLoRALinear.apply = original
     assert len(calls) >= 14  # every projection went through the fused path
-    assert torch.allclose(logps, ref_logps, atol=1e-5)
-    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 7 * 2
-    for n in grads:  # float32 sums in another order
-        assert (grads[n] - ref_grads[n]).norm() <= 1e-5 * ref_grads[n].norm(), n
+    pm.train()  # transformers' activation checkpointing (non-reentrant) recomputes the fused forward
+    pm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    pm.enable_input_require_grads()
+    checkpointed = _run(pm, batch, share_prompt=False)  # (checkpointed layers drop the cache a shared prompt hands on)
+    for got, want in ((logps, ref_logps), (checkpointed[0], ref_logps)):
+        assert torch.allclose(got, want, atol=1e-5)
+    for g in (grads, checkpointed[1]):
+        assert g.keys() == ref_grads.keys() and len(g) == 2 * 7 * 2
+        for n in g:  # float32 sums in another order
+            assert (g[n] - ref_grads[n]).norm() <= 1e-5 * ref_grads[n].norm(), n
 
 
 def test_fused_projection_steps_aside_for_a_disabled_a_switched_or_a_bf16_adapter(tiny):
