@@ -167,8 +167,8 @@ def _select_rows(cache, rows: list[int]) -> None:
 class _TakeRows(torch.autograd.Function):
     """x [U, ...] -> x[index] [n, ...], as index_select, with a backward that makes the incoming gradient
     contiguous before its index_add: the gradient reaching a prompt's keys is a slice of the cache's
-    concatenation, and torch's CPU index_add is about 5x slower on such a strided view (its time went from
-    ~8% of an update of the embedded default to ~2%)."""
+    concatenation, and torch's CPU index_add is about 5x slower on such a strided view (it was 8% of the
+    CPU time of an update of the embedded default; now it is not among the update's top operations)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
