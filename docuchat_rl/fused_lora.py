@@ -12,9 +12,10 @@ kept, so no copy of the weights outlives the call:
 Hand-written because peft has no fused path (Unsloth's fused LoRA kernels are GPU-only Triton).
 
 Applies to a LoRA `Linear` on a `torch.nn.Linear` with one active adapter, no dropout, no DoRA or other
-variant, no LoRA bias and a base weight of the adapter's dtype; anything else (adapters disabled for the
-reference pass, merged weights, several adapters, bf16 weights with float32 adapters: there the merged
-bf16 weight would round a small delta away) runs peft's own forward.
+variant, no LoRA bias, a frozen base layer (its weight and bias get no gradient here) and a base weight
+of the adapter's dtype. Anything else runs peft's own forward: adapters disabled for the reference pass,
+merged weights, several active adapters, and bf16 weights with float32 adapters (there the merged bf16
+weight would round a small delta away).
 
 Deliberately left out: fusing the elementwise work of attention and MLP, and a Triton kernel.
 """
@@ -62,7 +63,8 @@ def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = names[0]
     a, b, base = layer.lora_A[name], layer.lora_B[name], layer.base_layer
     if (name in layer.lora_variant or not isinstance(layer.lora_dropout[name], torch.nn.Identity)
-            or b.bias is not None or not x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype):
+            or b.bias is not None or not x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype
+            or base.weight.requires_grad or (base.bias is not None and base.bias.requires_grad)):
         return LoraLinear.forward(layer, x, *args, **kwargs)
     return _MergedLoRALinear.apply(x, base.weight, base.bias, a.weight, b.weight, layer.scaling[name])
 

@@ -107,6 +107,12 @@ def test_fused_projection_steps_aside_for_a_disabled_a_switched_or_a_bf16_adapte
         assert torch.allclose(copied(input_ids=ids).logits, expected["disabled"], atol=1e-5)
     assert torch.allclose(logits(), expected["default"], atol=1e-5)
 
+    bias = pm.get_base_model().model.layers[0].self_attn.q_proj.base_layer.bias
+    bias.requires_grad_(True)  # a trainable base bias gets its gradient (peft's path, not a silent None)
+    pm(input_ids=ids).logits.float().pow(2).mean().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0
+    bias.requires_grad_(False)
+
     half = pm.to(torch.bfloat16)  # bf16 weights, bf16 adapters: fused; then float32 adapters: peft's path
     with torch.no_grad():
         fused_bf16 = half(input_ids=ids).logits
