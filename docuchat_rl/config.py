@@ -64,7 +64,7 @@ class LoraConfig(Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt, or all-linear for every linear layer but the output head."""
     fused: bool = True
-    """Train each adapted Linear as one matmul with W + s*B*A (same gradients; fused_lora.py says when it applies), not peft's three."""
+    """Train each adapted Linear as one matmul with W + s*B*A, not peft's three (same gradients; off under FSDP2; fused_lora.py says when it applies)."""
 
 
 class DataConfig(Section):
@@ -225,7 +225,7 @@ class OptimConfig(Section):
     share_prompt: bool = True
     """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients)."""
     length_buckets: int = Field(4, ge=1)
-    """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; 1: one forward)."""
+    """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; 1: one forward; off under FSDP2)."""
     logit_chunk: int | None = Field(None, ge=0)
     """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 1024 when the vocabulary exceeds 32k tokens, else off)."""
 
