@@ -21,6 +21,7 @@ take most of its gain) and fused (Liger-style) loss kernels; chunking bounds mem
 
 from __future__ import annotations
 
+import bisect
 import copy
 from collections import Counter
 from collections.abc import Sequence
@@ -65,11 +66,12 @@ def bucket_rows(lens: Sequence[int], most: int, cost: int = BUCKET_COST) -> list
     """
     widths = [max(n, 1) for n in lens]  # a row occupies at least one column
     counts = Counter(widths)
-    w = np.array(sorted(counts), dtype=np.float64)  # [D] distinct widths, ascending
+    distinct = sorted(counts)
+    w = np.array(distinct, dtype=np.float64)  # [D] distinct widths, ascending
     d = len(w)
     if most <= 1 or d <= 1:
         return [list(range(len(lens)))]
-    cum = np.concatenate([[0], np.cumsum([counts[x] for x in sorted(counts)])])  # [D + 1] rows up to each width
+    cum = np.concatenate([[0], np.cumsum([counts[x] for x in distinct])])  # [D + 1] rows up to each width
     span = (cum[None, 1:] - cum[:-1, None]) * w[None, :]  # [D, D]: widths i..j in one bucket, padded to w[j]
     span[np.tril_indices(d, -1)] = np.inf  # (i > j: no such bucket)
     best, starts, totals = span[0], [], [span[0, -1] + cost]  # best[j]: cheapest cover of widths 0..j
@@ -82,18 +84,18 @@ def bucket_rows(lens: Sequence[int], most: int, cost: int = BUCKET_COST) -> list
     for start in reversed(starts[:k]):
         cuts.append(int(start[j]))
         j = int(start[j]) - 1
-    edges = [0, *reversed(cuts), d]  # buckets hold widths w[edges[b]] .. w[edges[b + 1] - 1]
-    bucket_of = {float(x): b for b in range(len(edges) - 1) for x in w[edges[b]:edges[b + 1]]}
-    out: list[list[int]] = [[] for _ in range(len(edges) - 1)]
+    firsts = [distinct[c] for c in reversed(cuts)]  # the shortest width of every bucket after the first
+    out: list[list[int]] = [[] for _ in range(len(firsts) + 1)]
     for row, x in enumerate(widths):
-        out[bucket_of[float(x)]].append(row)
+        out[bisect.bisect_right(firsts, x)].append(row)
     return out
 
 
-def _shared_prompt_forward(model, batch: Batch, parts: list[list[int]] | None = None) -> list[torch.Tensor] | None:
-    """Per part (rows of the micro-batch; all of them by default), the last hidden states [n, T_part, H] at
-    the positions predicting each completion token (T_part: the part's longest completion), with each
-    distinct prompt of the micro-batch run once and its keys/values shared by the rows of its group.
+def _shared_prompt_forward(model, batch: Batch, parts: list[tuple[list[int] | None, int]] | None = None
+                           ) -> list[torch.Tensor] | None:
+    """Per part ((rows, width) from `_part_widths`; by default one part of every row), the last hidden states
+    [n, width, H] at the positions predicting each completion token, with each distinct prompt of the
+    micro-batch run once and its keys/values shared by the rows of its group.
 
     None when no two rows share a group (nothing to save). Gradient-exact: the shared prompt's
     activations receive the summed gradient of every completion that attends to them, as in the
@@ -109,11 +111,12 @@ def _shared_prompt_forward(model, batch: Batch, parts: list[list[int]] | None = 
     p_ids, p_mask = batch.input_ids[first_t, :lp], batch.attention_mask[first_t, :lp]  # [U, Lp]
     head = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
     positions = position_ids(batch.attention_mask)[:, lp:]  # [R, T]
+    parts = parts or _part_widths(batch, None)
     out = []
-    for rows, width in _part_widths(batch, parts):
+    for rows, width in parts:
         index = slice(None) if rows is None else torch.tensor(rows).to(device)  # [n]
         prompt_of = inverse if rows is None else [inverse[r] for r in rows]  # [n] each row's prompt
-        cache = head.past_key_values if parts is None or len(parts) == 1 else _own_cache(head.past_key_values)
+        cache = head.past_key_values if len(parts) == 1 else _own_cache(head.past_key_values)
         _select_rows(cache, prompt_of)  # [U, ...] -> [n, ...]
         # completion token 0 is predicted by the prompt's last position, token j > 0 by completion position j-1
         hidden = _spread(head.last_hidden_state[:, -1:], prompt_of)  # [n, 1, H]
@@ -274,7 +277,7 @@ def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     """
     parts = bucket_rows(batch.info.completion_lens, length_buckets)
     widths = _part_widths(batch, parts)
-    hiddens = _shared_prompt_forward(model, batch, parts) if share_prompt else None
+    hiddens = _shared_prompt_forward(model, batch, widths) if share_prompt else None
     if hiddens is None:
         hiddens = [_plain_forward(model, batch if rows is None else batch.select(rows)) for rows, _ in widths]
     head = output_head(model)

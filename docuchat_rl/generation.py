@@ -237,8 +237,7 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
             if compact and finished * 4 >= done.numel():  # a quarter or more have ended: decode without them
                 keep = (~done).nonzero().squeeze(-1)  # [r']
                 alive = keep if alive is None else alive[keep]
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys.index_select(0, keep), layer.values.index_select(0, keep)
+                cache.reorder_cache(keep)  # (transformers' own row selection: index_select in every layer)
                 mask, next_pos, done, nxt = mask[keep], next_pos[keep], done[keep], nxt[keep]
                 uniforms = None if uniforms is None else uniforms[keep]
         out = model(input_ids=nxt[:, None], attention_mask=mask[..., :lp + t + 1], position_ids=next_pos + t,
