@@ -93,10 +93,12 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
 
     with merged():
         gen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False,
-                       batch_size=e.batch_size, engine=r.engine, lockstep=lockstep)
+                       batch_size=e.batch_size, engine=r.engine, grouped_decode=r.grouped_decode,
+                       lockstep=lockstep)
     if k and not examples:  # (sharded generation, no rows here: join the others' sampling calls)
         generate(model, tokenizer, [], max_new_tokens=max_new, do_sample=True, batch_size=e.batch_size,
-                 num_return_sequences=k, engine=r.engine, row_seeds=[], lockstep=lockstep)
+                 num_return_sequences=k, engine=r.engine, grouped_decode=r.grouped_decode, row_seeds=[],
+                 lockstep=lockstep)
     if not examples:
         return []
     texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
@@ -107,7 +109,8 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
         with torch.random.fork_rng(), merged():  # eval must not shift the training run's random stream
             sgen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True,
                             temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=e.batch_size,
-                            num_return_sequences=k, engine=r.engine, row_seeds=seeds, lockstep=lockstep)
+                            num_return_sequences=k, engine=r.engine, grouped_decode=r.grouped_decode,
+                            row_seeds=seeds, lockstep=lockstep)
         stexts = tokenizer.batch_decode(sgen.completion_ids, skip_special_tokens=True)
         sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
         flat = [rec.components[acc_name].raw or 0.0 for rec in sres.records]

@@ -191,33 +191,62 @@ def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):
     return prefill_cache
 
 
+class _ModelSteps:
+    """Decode steps through the model's own forward, over the cache `_expanded_cache` builds from the
+    prefill (each prompt row repeated G times). The same call and `drop` as `grouped_decode.GroupedSteps`."""
+
+    def __init__(self, model, prefill_cache, attention_mask: torch.Tensor, repeats: int, max_new_tokens: int):
+        u, lp = attention_mask.shape
+        rows, device = u * repeats, attention_mask.device
+        self.model, self.prompt_len = model, lp
+        self.cache = _expanded_cache(model, prefill_cache, repeats, lp + max_new_tokens)
+        self.droppable = _is_filled_static(self.cache)  # finished rows may leave the batch
+        mask = torch.ones(rows, lp + max_new_tokens, dtype=attention_mask.dtype, device=device)
+        mask[:, :lp] = attention_mask.repeat_interleave(repeats, 0)  # [R, Lp + N]
+        if self.droppable:  # every layer full attention: hand the model its 4D additive mask, built once
+            # (transformers would rebuild it from the 2D mask at every step, and a bool mask is slower in SDPA)
+            dtype = self.cache.layers[0].keys.dtype  # the attention's own dtype (logits may be upcast)
+            mask = torch.zeros(rows, 1, 1, lp + max_new_tokens, dtype=dtype, device=device).masked_fill_(
+                (mask == 0)[:, None, None, :], torch.finfo(dtype).min)  # [R, 1, 1, Lp + N]
+        self.mask = mask
+        self.next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
+
+    def drop(self, keep: torch.Tensor) -> None:
+        """Keep only the rows `keep` [r'] (of the rows still decoding), in that order."""
+        self.cache.reorder_cache(keep)  # (transformers' own row selection: index_select in every layer)
+        self.mask, self.next_pos = self.mask[keep], self.next_pos[keep]
+
+    def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
+        """Logits [r, V] after tokens [r] at completion position t (0-based) of each row still decoding."""
+        out = self.model(input_ids=tokens[:, None], attention_mask=self.mask[..., :self.prompt_len + t + 1],
+                         position_ids=self.next_pos + t, past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        return out.logits[:, -1]
+
+
 def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
-                processors, stop, pad, uniforms=None, lockstep=None) -> tuple[torch.Tensor, torch.Tensor]:
+                processors, stop, pad, uniforms=None, lockstep=None,
+                grouped: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
     and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
-    while any process still has a row to finish."""
+    while any process still has a row to finish. `grouped`: decode with `grouped_decode.GroupedSteps`
+    where the model is one it covers."""
+    from . import grouped_decode
     from .forward import position_ids
 
-    u, lp = input_ids.shape
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=True, logits_to_keep=1)
-    cache = _expanded_cache(model, out.past_key_values, repeats, lp + max_new_tokens)
+    kind = (grouped_decode.GroupedSteps if grouped and lockstep is None
+            and grouped_decode.supports(model, out.past_key_values) else _ModelSteps)
+    decode = kind(model, out.past_key_values, attention_mask, repeats, max_new_tokens)
     logits = out.logits[:, -1].repeat_interleave(repeats, 0)  # [R, V]
-    rows = u * repeats
-    mask = torch.ones(rows, lp + max_new_tokens, dtype=attention_mask.dtype, device=input_ids.device)
-    mask[:, :lp] = attention_mask.repeat_interleave(repeats, 0)  # [R, Lp + N]
-    if _is_filled_static(cache):  # every layer full attention: hand the model its 4D additive mask, built once
-        # (transformers would rebuild it from the 2D mask at every step, and a bool mask is slower in SDPA)
-        dtype = cache.layers[0].keys.dtype  # the attention's own dtype (logits may be upcast)
-        mask = torch.zeros(rows, 1, 1, lp + max_new_tokens, dtype=dtype, device=input_ids.device).masked_fill_(
-            (mask == 0)[:, None, None, :], torch.finfo(dtype).min)  # [R, 1, 1, Lp + N]
-    next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
+    rows = input_ids.shape[0] * repeats
     stop_t = torch.tensor(stop, device=input_ids.device)
     done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)  # [r]: of the rows still decoding
     tokens = torch.full((rows, max_new_tokens), pad, dtype=torch.long, device=input_ids.device)  # [R, N]
     logps = torch.zeros(rows, max_new_tokens, device=input_ids.device)  # [R, N]
     alive = None  # [r]: the rows still decoding, once finished ones were dropped (None: every row)
-    compact = lockstep is None and _is_filled_static(cache)
+    compact = lockstep is None and decode.droppable
     steps = 0
     for t in range(max_new_tokens):
         if t < min_new_tokens:  # no EOS yet, as transformers' MinNewTokensLengthLogitsProcessor
@@ -237,12 +266,10 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
             if compact and finished * 4 >= done.numel():  # a quarter or more have ended: decode without them
                 keep = (~done).nonzero().squeeze(-1)  # [r']
                 alive = keep if alive is None else alive[keep]
-                cache.reorder_cache(keep)  # (transformers' own row selection: index_select in every layer)
-                mask, next_pos, done, nxt = mask[keep], next_pos[keep], done[keep], nxt[keep]
+                decode.drop(keep)
+                done, nxt = done[keep], nxt[keep]
                 uniforms = None if uniforms is None else uniforms[keep]
-        out = model(input_ids=nxt[:, None], attention_mask=mask[..., :lp + t + 1], position_ids=next_pos + t,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1]  # [r, V]
+        logits = decode(nxt, t)  # [r, V]
     return tokens[:, :steps], logps[:, :steps]  # [R, steps], [R, steps]
 
 
@@ -268,7 +295,7 @@ def _plain_generation_config(model):
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
-             row_seeds: list[int] | None = None, lockstep=None) -> Generation:
+             row_seeds: list[int] | None = None, lockstep=None, grouped_decode: bool = True) -> Generation:
     """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
     `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only temperature, top-k and
     top-p shape the distribution, whatever the model's generation_config says. With `row_seeds` (one per
@@ -278,7 +305,8 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
     `lockstep(flag) -> bool` (whether the flag holds on any process) makes every process run the same
     number of model calls, as sharded weights demand: decoding continues while any process decodes, and
     a process out of prompts runs a greedy one-token placeholder prompt (it draws no random numbers)
-    until the others are done."""
+    until the others are done. `grouped_decode` (fast engine): decode the models `grouped_decode.py`
+    covers with its step, which reads each prompt's keys/values once for its G rows."""
     if engine not in ("fast", "hf", "vllm"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf, vllm")
     if engine == "vllm":  # a vLLM engine (vllm_engine.py) serves training rollouts only: evaluation, generate
@@ -319,7 +347,7 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
             new, logps = _fast_chunk(model, enc["input_ids"], enc["attention_mask"], repeats=num_return_sequences,
                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                      do_sample=do_sample, processors=processors, stop=stop, pad=pad,
-                                     uniforms=uniforms, lockstep=lockstep)
+                                     uniforms=uniforms, lockstep=lockstep, grouped=grouped_decode)
         else:
             new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
                                    min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,

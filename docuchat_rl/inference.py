@@ -68,7 +68,8 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
     with ctx:
         gen = generate(model, tok, prompts, max_new_tokens=max_new_tokens or cfg.rollout.max_new_tokens,
                        do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
-                       batch_size=cfg.eval.batch_size, num_return_sequences=n, engine=cfg.rollout.engine)
+                       batch_size=cfg.eval.batch_size, num_return_sequences=n, engine=cfg.rollout.engine,
+                       grouped_decode=cfg.rollout.grouped_decode)
     texts = tok.batch_decode(gen.completion_ids, skip_special_tokens=True)
     rows = [e for e in examples for _ in range(n)]
     result = score(reward, rows, texts, gen) if reward is not None else None
@@ -101,7 +102,8 @@ def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[s
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         gen = generate(model, tok, [prompt], max_new_tokens=max_new_tokens, do_sample=do_sample,
-                       temperature=temperature, top_p=top_p, top_k=top_k, engine=cfg.rollout.engine)
+                       temperature=temperature, top_p=top_p, top_k=top_k, engine=cfg.rollout.engine,
+                       grouped_decode=cfg.rollout.grouped_decode)
         reply = tok.decode(gen.completion_ids[0], skip_special_tokens=True).strip()
         messages.append({"role": "assistant", "content": reply})
         write(f"model> {reply}\n")

@@ -155,7 +155,8 @@ class Collector:
                            max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,
                            top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
                            num_return_sequences=r.num_generations, engine=r.engine,
-                           min_new_tokens=r.min_new_tokens, row_seeds=seeds, lockstep=self.lockstep)
+                           min_new_tokens=r.min_new_tokens, row_seeds=seeds, lockstep=self.lockstep,
+                           grouped_decode=r.grouped_decode)
         return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
 
     def collect(self, model, timer: Timer, step: int) -> Rollout:

@@ -203,21 +203,23 @@ def test_row_seeds_make_each_row_independent_of_batching_and_engine(tiny):
     assert len({tuple(c) for c in big.completion_ids}) > 6  # really sampled
 
 
-def test_finished_rows_leave_the_decode_batch_and_every_row_samples_as_before(tiny):
-    """Once a quarter of the rows have ended, the fast loop decodes without them: its later model calls
+@pytest.mark.parametrize("grouped", [True, False])
+def test_finished_rows_leave_the_decode_batch_and_every_row_samples_as_before(tiny, grouped):
+    """Once a quarter of the rows have ended, the fast loop decodes without them: its later steps
     get fewer rows, and every row's completion and log-probs are what transformers.generate draws with the
-    same row seeds."""
+    same row seeds. Both decode steps: the grouped one (rows of a prompt leave its group unevenly) and
+    the model's own forward."""
     from docuchat_rl.rollout import row_seed
 
     model, tok = tiny
     prompts = _prompts(tok, 8)
     seeds = [row_seed(0, 2, p, s) for p in range(8) for s in range(4)]
     kw = dict(max_new_tokens=64, do_sample=True, num_return_sequences=4, batch_size=32, row_seeds=seeds)
-    rows_per_call = []
-    handle = model.register_forward_hook(lambda mod, args, kwargs, out: rows_per_call.append(
-        kwargs["input_ids"].shape[0]), with_kwargs=True)
+    rows_per_call = []  # the embedding sees every model call and every grouped step
+    handle = model.get_input_embeddings().register_forward_hook(
+        lambda mod, args, out: rows_per_call.append(args[0].shape[0]))
     try:
-        fast = generate(model, tok, prompts, **kw)
+        fast = generate(model, tok, prompts, grouped_decode=grouped, **kw)
     finally:
         handle.remove()
     decode = rows_per_call[1:]  # (the first call is the prefill of the 8 distinct prompts)
@@ -227,7 +229,7 @@ def test_finished_rows_leave_the_decode_batch_and_every_row_samples_as_before(ti
     hf = generate(model, tok, prompts, engine="hf", **kw)
     assert fast.completion_ids == hf.completion_ids and fast.truncated == hf.truncated
     for a, b in zip(fast.logps, hf.logps):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf", "vllm"])
