@@ -16,9 +16,11 @@ Two engines, the same contract:
   Gumbel or exponential tricks do, costs more than a layer of the embedded model); once a quarter of the
   rows still decoding have ended, they are dropped from the batch and cache (with row seeds, as every
   rollout has, each row's draws are its own, so this changes nothing but the work); it stops as soon as
-  every row has ended. Hand-written because `generate` offers none of this for sampling. Models whose
-  cache is not plain full attention (sliding windows, linear attention) keep a growing cache, repeated
-  per sample.
+  every row has ended. Hand-written because `generate` offers none of this for sampling. Llama, Qwen2
+  and Mistral (full attention) decode with `grouped_decode.GroupedSteps`, which keeps each prompt's
+  keys/values once for its G rows instead of G copies (`rollout.grouped_decode`). Other models run their
+  own forward over the static buffers; those whose cache is not plain full attention (sliding windows,
+  linear attention) keep a growing cache, repeated per sample.
 - `hf`: `transformers.generate`, for anything the fast loop does not cover.
 
 Deliberately left out: vLLM/SGLang engines, speculative decoding, continuous batching, compiled decode
