@@ -137,7 +137,7 @@ class RolloutConfig(Section):
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """The vLLM engine's settings (only with engine vllm)."""
     grouped_decode: bool = True
-    """Engine fast only: decode Llama, Qwen2 and Mistral (full attention) with our step that reads each prompt's keys/values once for its G rows; false = the model's own forward over a per-row cache."""
+    """Fast loop only (engine fast, and evaluation/chat under engine vllm): decode Llama, Qwen2 and Mistral (full attention) with our step that reads each prompt's keys/values once for its G rows; false = the model's own forward over a per-row cache."""
     merge_adapter: bool = True
     """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged."""
     sharded_generation: bool = False
@@ -333,8 +333,9 @@ class Config(Section):
         if r.sharded_generation and r.merge_adapter:
             raise ValueError("rollout.sharded_generation keeps the weights sharded, so the adapter cannot be folded "
                              "into them: set rollout.merge_adapter=false with it")
-        if r.engine != "fast" and "grouped_decode" in r.model_fields_set:
-            raise ValueError(f"rollout.grouped_decode applies to rollout.engine fast, not {r.engine}")
+        if r.engine == "hf" and "grouped_decode" in r.model_fields_set:
+            raise ValueError("rollout.grouped_decode applies to our fast decode loop (rollout.engine fast, and "
+                             "evaluation under vllm), not to rollout.engine hf")
         if r.engine != "vllm" and r.vllm != VLLMConfig():
             raise ValueError(f"rollout.vllm applies to rollout.engine vllm, not {r.engine}")
         if r.engine == "vllm" and r.sharded_generation:

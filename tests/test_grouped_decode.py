@@ -172,11 +172,11 @@ def test_grouped_sampling_draws_the_same_completions_as_the_model_forward(tiny):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
 
 
-def test_grouped_decode_applies_to_the_fast_engine_only():
+def test_grouped_decode_applies_to_the_fast_loop_only():
     from docuchat_rl.config import load_config
 
     from .conftest import ROOT
 
-    with pytest.raises(ValueError, match="rollout.grouped_decode applies to rollout.engine fast, not hf"):
+    with pytest.raises(ValueError, match="grouped_decode applies to our fast decode loop .* not to rollout.engine hf"):
         load_config(ROOT / "config/default.yaml", ["rollout.engine=hf", "rollout.grouped_decode=false"])
     assert load_config(ROOT / "config/default.yaml", ["rollout.grouped_decode=false"]).rollout.grouped_decode is False
