@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .grouped_decode import GroupedSteps, additive_mask, plain_full_attention, supports
 from .modeling import base_model
 
 
@@ -177,10 +178,10 @@ def _is_filled_static(cache) -> bool:
 def _expanded_cache(model, prefill_cache, repeats: int, max_len: int):
     """The prefill cache with each prompt row repeated `repeats` times: preallocated static buffers of
     `max_len` positions when every layer is plain full attention, else the prefill cache itself, repeated."""
-    from transformers import Cache, DynamicCache, StaticCache
-    from transformers.cache_utils import DynamicLayer, StaticLayer
+    from transformers import Cache, StaticCache
+    from transformers.cache_utils import StaticLayer
 
-    if isinstance(prefill_cache, DynamicCache) and all(type(x) is DynamicLayer for x in prefill_cache.layers):
+    if plain_full_attention(prefill_cache):
         layer_types = StaticCache(config=model.config, max_cache_len=max_len).layers  # the model's layer kinds
         if len(layer_types) == len(prefill_cache.layers) and all(type(x) is StaticLayer for x in layer_types):
             filled = _filled_static_layer()
@@ -207,9 +208,7 @@ class _ModelSteps:
         mask[:, :lp] = attention_mask.repeat_interleave(repeats, 0)  # [R, Lp + N]
         if self.droppable:  # every layer full attention: hand the model its 4D additive mask, built once
             # (transformers would rebuild it from the 2D mask at every step, and a bool mask is slower in SDPA)
-            dtype = self.cache.layers[0].keys.dtype  # the attention's own dtype (logits may be upcast)
-            mask = torch.zeros(rows, 1, 1, lp + max_new_tokens, dtype=dtype, device=device).masked_fill_(
-                (mask == 0)[:, None, None, :], torch.finfo(dtype).min)  # [R, 1, 1, Lp + N]
+            mask = additive_mask(mask, self.cache.layers[0].keys.dtype)  # [R, 1, 1, Lp + N]
         self.mask = mask
         self.next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
 
@@ -233,13 +232,11 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
     and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
     while any process still has a row to finish. `grouped`: decode with `grouped_decode.GroupedSteps`
     where the model is one it covers."""
-    from . import grouped_decode
     from .forward import position_ids
 
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=True, logits_to_keep=1)
-    kind = (grouped_decode.GroupedSteps if grouped and lockstep is None
-            and grouped_decode.supports(model, out.past_key_values) else _ModelSteps)
+    kind = GroupedSteps if grouped and lockstep is None and supports(model, out.past_key_values) else _ModelSteps
     decode = kind(model, out.past_key_values, attention_mask, repeats, max_new_tokens)
     logits = out.logits[:, -1].repeat_interleave(repeats, 0)  # [R, V]
     rows = input_ids.shape[0] * repeats

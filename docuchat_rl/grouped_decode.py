@@ -2,8 +2,8 @@
 
 GRPO samples G completions of every prompt. A per-row KV cache holds G copies of each prompt's keys and
 values, and every decoded token reads all of them: with ~100-token prompts and 64 rows, a step of the
-embedded model streams ~50 MB of mostly identical keys/values through attention (more than the CPU's last
-cache holds, so from memory), and attention becomes the largest cost of a step. Here the prompt's
+embedded model reads ~50 MB of mostly identical keys/values in attention (more than the CPU's 32 MB last
+cache), and that attention was the largest single operation of a step. Here the prompt's
 keys/values are kept once per prompt ([U, KV, Lp, D]) and the completion's per row ([R, KV, N, D]);
 attention scores a row's query against its prompt's keys in one batched matmul per prompt (its G rows'
 queries together) and against its own completion keys, and takes one softmax over both.
@@ -43,26 +43,28 @@ def _rotate_half():
     return rotate_half
 
 
-def supports(model, prefill_cache) -> bool:
-    """Whether the grouped step can decode `model` from this prefill cache: Llama-like layers, full
-    attention in every layer (transformers' plain DynamicLayer), unsharded weights."""
+def plain_full_attention(cache) -> bool:
+    """Whether a prefill cache is transformers' DynamicCache with a plain full-attention layer in every
+    layer (sliding windows and other kinds keep other layer types)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    lm = base_model(model)
-    decoder = getattr(lm, "model", None)
-    layers = getattr(decoder, "layers", None)
-    if layers is None or not all(type(x).__name__ in LLAMA_LIKE for x in layers):
-        return False
-    if getattr(decoder, "embed_scale", None) is not None or not hasattr(decoder, "rotary_emb"):
-        return False
-    if not isinstance(prefill_cache, DynamicCache) or len(prefill_cache.layers) != len(layers):
-        return False
-    if not all(type(x) is DynamicLayer for x in prefill_cache.layers):  # sliding windows keep other layers
-        return False
-    if any(getattr(layer.self_attn, "sliding_window", None) for layer in layers):
-        return False
-    return not any(type(p).__name__ == "DTensor" for p in lm.parameters())
+    return isinstance(cache, DynamicCache) and all(type(x) is DynamicLayer for x in cache.layers)
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A [B, L] 0/1 attention mask as the [B, 1, 1, L] additive mask attention takes (0 or the dtype's min)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        mask == 0, torch.finfo(dtype).min)[:, None, None, :]
+
+
+def supports(model, prefill_cache) -> bool:
+    """Whether the grouped step can decode `model` from this prefill cache: Llama-like layers, full
+    attention in every layer, unsharded weights."""
+    layers = getattr(getattr(base_model(model), "model", None), "layers", None)
+    return (layers is not None and all(type(x).__name__ in LLAMA_LIKE for x in layers)
+            and plain_full_attention(prefill_cache)
+            and not any(type(p).__name__ == "DTensor" for p in model.parameters()))
 
 
 class GroupedSteps:
@@ -87,8 +89,7 @@ class GroupedSteps:
         rows, kv = self.groups * repeats, first.shape[1]
         self.keys = [first.new_empty(rows, kv, max_new_tokens, self.head_dim) for _ in self.prompt_keys]
         self.values = [first.new_empty(rows, kv, max_new_tokens, self.head_dim) for _ in self.prompt_keys]
-        self.prompt_mask = torch.zeros(attention_mask.shape, dtype=first.dtype, device=first.device).masked_fill_(
-            attention_mask == 0, torch.finfo(first.dtype).min)[:, None, None, :]  # [U, 1, 1, Lp] additive
+        self.prompt_mask = additive_mask(attention_mask, first.dtype)  # [U, 1, 1, Lp]
         self.next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
         self.grid: torch.Tensor | None = None  # [r]: each row's slot in the U x G grid (None: every row)
         self.filled = 0  # completion positions written so far
@@ -105,6 +106,7 @@ class GroupedSteps:
 
     def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Logits [r, V] after tokens [r] at completion position t (0-based) of each row still decoding."""
+        self.filled = t + 1  # (this step writes position t of every layer's buffers)
         x = self.decoder.embed_tokens(tokens[:, None])  # [r, 1, hidden]
         cos, sin = self.decoder.rotary_emb(x, self.next_pos + t)  # [r, 1, D] each
         cos, sin = cos[:, :, None], sin[:, :, None]  # [r, 1, 1, D]: over KV heads and their query heads
@@ -124,7 +126,6 @@ class GroupedSteps:
         k = k * cos + rotate_half(k) * sin
         self.keys[i][:, :, t:t + 1].copy_(k)
         self.values[i][:, :, t:t + 1].copy_(v)
-        self.filled = t + 1
         keys, values = self.keys[i][:, :, :t + 1], self.values[i][:, :, :t + 1]  # [r, KV, t + 1, D]
         prompt = (self._to_grid(q) @ self.prompt_keys[i].mT) * attn.scaling + self.prompt_mask  # [U, KV, G n, Lp]
         scores = torch.cat([self._from_grid(prompt), (q @ keys.mT) * attn.scaling], -1)  # [r, KV, n, Lp + t + 1]
