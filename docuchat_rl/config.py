@@ -25,6 +25,10 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
+AUTO = "auto"  # a speed switch's default: on where it was measured to win (CPUs), off on GPUs until measured there
+Switch = bool | Literal["auto"]
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line naming the key at fault."""
 
@@ -40,8 +44,8 @@ class ModelConfig(Section):
     """Local folder or hub id of any causal LM (default: the embedded tiny model)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when loading from the hub."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype; auto = float32 on CPU, bfloat16 on GPUs that support it, else float16 (float32 in training, which refuses float16)."""
+    dtype: Literal["auto", "float32", "bfloat16", "bf16-mixed", "float16"] = "auto"
+    """Weights dtype; bf16-mixed = bfloat16 weights and matmuls, float32 residual stream and logits (faster on CPUs with AVX512-BF16, larger sampler/trainer mismatch); auto = bfloat16 on GPUs that have it (float32 in training, else float16), float32 on CPUs."""
     device: str = "auto"
     """Torch device (auto, cpu, cuda, cuda:1, ...)."""
     trust_remote_code: bool = False
@@ -63,8 +67,8 @@ class LoraConfig(Section):
     """Dropout on the LoRA input (0 keeps rollouts and updates on the same function)."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt, or all-linear for every linear layer but the output head."""
-    fused: bool = True
-    """Train each adapted Linear as one matmul with W + s*B*A, not peft's three (same gradients; off under FSDP2; fused_lora.py says when it applies)."""
+    fused: Switch = AUTO
+    """Train each adapted Linear as one matmul with W + s*B*A, not peft's three (same gradients; float32 weights only, off under FSDP2; auto: on on CPUs, off on GPUs, CPU-measured only)."""
 
 
 class DataConfig(Section):
@@ -132,14 +136,14 @@ class RolloutConfig(Section):
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill."""
     max_resample_rounds: int = Field(4, ge=1)
     """Most extra sampling rounds per step when dynamic sampling cannot fill the batch."""
-    engine: Literal["fast", "hf", "vllm"] = "fast"
-    """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate; vllm = a colocated vLLM engine."""
+    engine: Literal["auto", "fast", "hf", "vllm"] = AUTO
+    """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate; vllm = a colocated vLLM engine; auto = fast on CPUs, hf on GPUs (fast is CPU-measured only)."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """The vLLM engine's settings (only with engine vllm)."""
-    grouped_decode: bool = True
-    """Fast loop only (engine fast, and evaluation/chat under engine vllm): decode Llama, Qwen2 and Mistral (full attention) with our step that reads each prompt's keys/values once for its G rows; false = the model's own forward over a per-row cache."""
-    merge_adapter: bool = True
-    """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged."""
+    grouped_decode: Switch = AUTO
+    """Fast loop only (engine fast, and evaluation/chat under engine vllm): decode Llama, Qwen2 and Mistral (full attention) with our step that reads each prompt's keys/values once for its G rows; false = the model's own forward over a per-row cache; auto: on on CPUs, off on GPUs (CPU-measured only)."""
+    merge_adapter: Switch = AUTO
+    """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged; auto: on on CPUs (off with sharded_generation), off on GPUs (CPU-measured only)."""
     sharded_generation: bool = False
     """Under FSDP2 only: decode on the sharded weights, every process in lockstep (each decoding step gathers every layer: slow, but the whole weights never sit on one device); false = gather them for generation."""
     correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
@@ -224,10 +228,17 @@ class OptimConfig(Section):
     """Completions per optimizer step; null = the whole rollout batch (one step per iteration)."""
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward; gradients accumulate up to minibatch_size."""
-    share_prompt: bool = True
-    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients)."""
-    length_buckets: int = Field(4, ge=1)
-    """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; 1: one forward; off under FSDP2)."""
+    share_prompt: Switch = AUTO
+    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (CPU-measured only)."""
+    length_buckets: int | Literal["auto"] = Field(AUTO)
+    """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; 1: one forward; off under FSDP2); auto: 4 on CPUs, 1 on GPUs (CPU-measured only)."""
+
+    @field_validator("length_buckets")
+    @classmethod
+    def _positive(cls, v):
+        if v != AUTO and v < 1:
+            raise ValueError("must be at least 1 (or auto)")
+        return v
     logit_chunk: int | None = Field(None, ge=0)
     """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 1024 when the vocabulary exceeds 32k tokens, else off)."""
 
@@ -330,7 +341,7 @@ class Config(Section):
             raise ValueError(f"rollout.min_new_tokens: {self.rollout.min_new_tokens} is more than "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens})")
         r = self.rollout
-        if r.sharded_generation and r.merge_adapter:
+        if r.sharded_generation and r.merge_adapter is True:
             raise ValueError("rollout.sharded_generation keeps the weights sharded, so the adapter cannot be folded "
                              "into them: set rollout.merge_adapter=false with it")
         if r.engine == "hf" and "grouped_decode" in r.model_fields_set:
@@ -352,6 +363,28 @@ class Config(Section):
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")
 
+    def for_device(self, device_type: str) -> Config:
+        """This config with every `auto` speed switch decided for a device type ("cpu", "cuda", ...): the ones
+        measured to win on CPUs (docs/performance.md, real model and embedded default) are on there; on any other
+        device they are off, the plain paths, until measured there. Idempotent; model.dtype's auto is decided
+        where the model loads (modeling.resolve_dtype)."""
+        cpu = device_type == "cpu"
+        r, o = self.rollout, self.optim
+
+        def pick(value, on, off):
+            return (on if cpu else off) if value == AUTO else value
+
+        rollout = r.model_copy(update={
+            "engine": pick(r.engine, "fast", "hf"), "grouped_decode": pick(r.grouped_decode, True, False),
+            "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, False)})
+        optim = o.model_copy(update={"share_prompt": pick(o.share_prompt, True, False),
+                                     "length_buckets": pick(o.length_buckets, 4, 1)})
+        lora = self.lora.model_copy(update={"fused": pick(self.lora.fused, True, False)})
+        return self.model_copy(update={"rollout": rollout, "optim": optim, "lora": lora})
+
+
+_UNION_MEMBERS = {"bool": "true/false", "int": "a whole number", "float": "a number", "str": "text"}
+
 
 def _one_line(err: ValidationError) -> str:
     """The first pydantic error as 'key: message' (pydantic's own report is several lines)."""
@@ -363,6 +396,12 @@ def _one_line(err: ValidationError) -> str:
             allowed = ", ".join(sorted(ALGORITHMS[algo].model_fields))
             return (f"config key 'algorithm.{'.'.join(map(str, loc[1:]))}' does not apply to algorithm "
                     f"{algo!r}; its keys are: {allowed}")
+    members = [p for p in loc if p in _UNION_MEMBERS or str(p).startswith("literal[")]
+    if members:  # a value of a union (a switch: true, false or auto): pydantic reports one error per member
+        key = ".".join(str(p) for p in loc if p not in members)
+        kinds = [_UNION_MEMBERS.get(str(x["loc"][-1]), str(x["loc"][-1]).removeprefix("literal[").rstrip("]"))
+                 for x in err.errors() if tuple(x["loc"][:-1]) == loc[:-1]]
+        return f"config key {key!r}: must be {' or '.join(kinds)} (got {e.get('input')!r})"
     key = ".".join(str(p) for p in loc)
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "union_tag_invalid":
@@ -509,5 +548,29 @@ def _explain_fields(model: type[BaseModel], indent: str) -> list[str]:
             continue
         if isinstance(default, list) and default and isinstance(default[0], BaseModel):
             default = [d.model_dump(exclude_defaults=True) for d in default]
-        lines.append(f"{indent}{name} = {default!r}  # {f.description or ''}")
+        choices = _choices(f.annotation)
+        lines.append(f"{indent}{name} = {default!r}" + (f"  [{choices}]" if choices else "") + f"  # {f.description or ''}")
     return lines
+
+
+def _choices(annotation) -> str | None:
+    """The values a choice key takes ('grpo | dapo | ...'; a switch: 'true | false | auto'), None for keys
+    without named choices."""
+    from typing import get_args, get_origin
+
+    values: list[str] = []
+    named = False
+
+    def walk(tp) -> None:
+        nonlocal named
+        if get_origin(tp) is Literal:
+            named = True
+            values.extend(str(v) for v in get_args(tp))
+        elif tp in (bool, int):
+            values.extend(["true", "false"] if tp is bool else ["N"])
+        else:
+            for arg in get_args(tp):
+                walk(arg)
+
+    walk(annotation)
+    return " | ".join(dict.fromkeys(values)) if named and len(values) > 1 else None

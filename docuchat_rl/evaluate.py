@@ -1,9 +1,10 @@
 """Evaluation: greedy accuracy, pass@k by sampling, mean of each reward component, format rate, length.
 
 Accuracy is the raw score of the `rewards.accuracy_component` reward (correctness by default) on the
-greedy completion; the format rate is the share of greedy completions with a format score of 1 when a
-`format` component is configured (strict format otherwise). pass@k is the share of prompts with at least
-one correct completion among k samples (k samples per prompt, so the unbiased estimator is this share).
+greedy completion; the format rate is the share of greedy completions with a format score of exactly 1
+(partial credit does not count) when a `format` component is configured (strict format otherwise).
+pass@k is the share of prompts with at least one correct completion among k samples (k samples per
+prompt, so the unbiased estimator is this share).
 The rewards receive the same inputs as in training (`data.reward_inputs`: the data set's columns,
 answer, completion_tokens, truncated, prompt_id), so a custom reward that reads a column scores here too.
 
@@ -48,6 +49,7 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     and every process returns the numbers over all of them; pass@k draws each sample from its own
     stream (row_seed), so the numbers do not depend on how rows are split or batched. `lockstep`: sharded
     generation (see generation.generate)."""
+    cfg = cfg.for_device(next(model.parameters()).device.type)
     e, dist = cfg.eval, dist or Dist()
     if examples is None:
         examples = load_split(cfg.data, "test", e.limit)
@@ -70,7 +72,8 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
         out[f"{name}/mean"] = mean
     if acc_name in reward.names:
         out["accuracy"] = out[f"{acc_name}/mean"]
-    out["format_rate"] = out["format/mean"]
+    out["format_rate"] = float(np.mean([r.raw.get("format") == 1.0 for r in rows])) if rows else None  # (a
+    # format reward with partial credit scores between 0 and 1: the rate counts the completions that have it)
     out["completion_len/mean"] = float(np.mean([r.tokens for r in rows]))
     out["truncated_frac"] = float(np.mean([r.truncated for r in rows]))
     if k:

@@ -32,7 +32,7 @@ import torch
 
 from .batch import Batch
 from .losses import chunked_token_stats, token_entropy, token_logprobs
-from .modeling import base_model
+from .modeling import base_model, in_compute_context
 
 
 @dataclass
@@ -262,6 +262,7 @@ def _stitch(pieces: list[torch.Tensor], order: torch.Tensor, t: int) -> torch.Te
     return torch.cat(padded).index_select(0, order)  # [R, t, ...]
 
 
+@in_compute_context
 def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
                    with_hidden: bool = False, entropy_grad: bool = False,
                    share_prompt: bool = False, logit_chunk: int = 0, length_buckets: int = 1) -> PolicyOutput:

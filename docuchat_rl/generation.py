@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .grouped_decode import GroupedSteps, additive_mask, plain_full_attention, supports
-from .modeling import base_model
+from .modeling import base_model, in_compute_context
 
 
 DONE_CHECK_EVERY = 8  # the decode loop asks whether every row has finished every this many tokens
@@ -291,6 +291,7 @@ def _plain_generation_config(model):
 
 
 @torch.no_grad()
+@in_compute_context
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,

@@ -83,8 +83,13 @@ class GroupedSteps:
         attn = self.decoder.layers[0].self_attn
         self.groups, self.repeats = attention_mask.shape[0], repeats  # U, G
         self.head_dim, self.per_kv = attn.head_dim, attn.num_key_value_groups  # D, n (query heads per KV head)
-        self.prompt_keys = [layer.keys for layer in prefill_cache.layers]  # per layer [U, KV, Lp, D]
-        self.prompt_values = [layer.values for layer in prefill_cache.layers]
+        # keys and values are kept in the dtype attention multiplies in: under autocast (bf16-mixed) the
+        # float32 keys the rotary embedding leaves would otherwise be cast anew by every step's matmuls
+        device = attention_mask.device.type
+        self.compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        cast = (lambda x: x.to(self.compute)) if self.compute else (lambda x: x)
+        self.prompt_keys = [cast(layer.keys) for layer in prefill_cache.layers]  # per layer [U, KV, Lp, D]
+        self.prompt_values = [cast(layer.values) for layer in prefill_cache.layers]
         first = self.prompt_keys[0]
         rows, kv = self.groups * repeats, first.shape[1]
         self.keys = [first.new_empty(rows, kv, max_new_tokens, self.head_dim) for _ in self.prompt_keys]
@@ -124,12 +129,14 @@ class GroupedSteps:
         rotate_half = _rotate_half()
         q = q * cos + rotate_half(q) * sin  # (the models' apply_rotary_pos_emb, per element)
         k = k * cos + rotate_half(k) * sin
+        if self.compute:  # (cast once here, not by each of the matmuls below)
+            q = q.to(self.compute)
         self.keys[i][:, :, t:t + 1].copy_(k)
         self.values[i][:, :, t:t + 1].copy_(v)
         keys, values = self.keys[i][:, :, :t + 1], self.values[i][:, :, :t + 1]  # [r, KV, t + 1, D]
         prompt = (self._to_grid(q) @ self.prompt_keys[i].mT) * attn.scaling + self.prompt_mask  # [U, KV, G n, Lp]
         scores = torch.cat([self._from_grid(prompt), (q @ keys.mT) * attn.scaling], -1)  # [r, KV, n, Lp + t + 1]
-        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        probs = scores.softmax(-1, dtype=torch.float32).to(keys.dtype)
         lp = prompt.shape[-1]
         out = (self._from_grid(self._to_grid(probs[..., :lp]) @ self.prompt_values[i])  # [r, KV, n, D]
                + probs[..., lp:] @ values)

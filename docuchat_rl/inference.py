@@ -63,6 +63,7 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
     from .scoring import score
     from .traces import completion_fields
 
+    cfg = cfg.for_device(next(model.parameters()).device.type)
     prompts = [render_prompt(tok, e.question, cfg.data.system_prompt, e.messages) for e in examples]
     ctx = model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
     with ctx:
@@ -82,6 +83,7 @@ def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[s
          max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, top_k: int) -> int:
     """A multi-turn conversation: `read(prompt)` gives the user's next line (EOFError ends), `write`
     shows the reply. /reset forgets the conversation, /exit ends it. Returns the number of replies."""
+    cfg = cfg.for_device(next(model.parameters()).device.type)
     system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
     messages, replies = list(system), 0
     write("chat with the model: /reset forgets the conversation, /exit quits\n")

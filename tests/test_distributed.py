@@ -17,12 +17,12 @@ import sys
 import pytest
 
 from docuchat_rl.outputs import read_jsonl
+from docuchat_rl.trainer import MEASURED
 
 from .conftest import ROOT
 
 SHORT = ["rollout.prompts_per_step=4", "rollout.num_generations=4", "rollout.max_new_tokens=24",
          "logging.progress=false", "eval.before_and_after=false", "run.threads=1"]
-TIMING = ("time/", "rollout_tokens_per_s")
 
 
 FSDP2 = ROOT / "config" / "accelerate" / "fsdp2_cpu_2_processes.yaml"
@@ -103,7 +103,7 @@ def _schedule(sets, total):
 
 
 def _untimed(path):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING) and k != "run_id"} for r in read_jsonl(path)]
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED) and k != "run_id"} for r in read_jsonl(path)]
 
 
 def _assert_close(a, b):

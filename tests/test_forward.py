@@ -147,6 +147,29 @@ def _tiny_arch(name, tok):
     raise ValueError(name)
 
 
+@pytest.mark.parametrize("arch", ["default", "gemma2"])
+def test_chunked_entropy_bonus_gradients_equal_the_full_logits_path(tiny, arch):
+    """With an entropy bonus (algorithm.ent_coef) the chunked path differentiates the entropy too: the
+    written-out gradient -p (z - E[z]) equals autograd's through the whole [R, T, V] logits."""
+    base, tok = tiny
+    model = base if arch == "default" else _tiny_arch(arch, tok)
+    pm = with_lora(model, ["q_proj", "v_proj", "lm_head"]).eval()
+    try:
+        batch = _group_batch(tok, [0, 0, 1, 2])
+        m = batch.completion_mask
+        grads = []
+        for chunk in (0, 5):
+            pm.zero_grad()
+            out = policy_forward(pm, batch, temperature=1.1, with_entropy=True, entropy_grad=True, logit_chunk=chunk)
+            ((out.logps * m).sum() + 0.7 * (out.entropy * m).sum()).backward()
+            grads.append({n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None})
+        assert grads[0].keys() == grads[1].keys() and any("lm_head" in n for n in grads[0])
+        for n in grads[0]:
+            assert (grads[0][n] - grads[1][n]).norm() <= 1e-5 * grads[0][n].norm() + 1e-8, n
+    finally:
+        pm.unload()
+
+
 @pytest.mark.parametrize("arch", ["default", "qwen2", "gemma2", "mistral", "gpt2"])
 @pytest.mark.parametrize("share", [False, True], ids=["plain", "shared-prompt"])
 def test_chunked_log_probs_equal_the_full_logits_path_with_gradients(tiny, arch, share):

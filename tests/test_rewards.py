@@ -101,6 +101,59 @@ def test_format(completion, strict, lenient, why):
     assert one("format", completion, params={"mode": "lenient"}).value == lenient
 
 
+HASHES = [
+    # (completion, score with partial 0.5, why)
+    ("3 + 4 = 7\n7 * 2 = 14\n#### 14", 1.0, "working, then the last line #### N"),
+    ("#### 14", 1.0, "the answer line alone"),
+    ("7 * 2 = 14\n#### 14.\n", 1.0, "a full stop and a newline after the number"),
+    ("#### 1,400", 1.0, "thousands separator"),
+    ("#### 14\nThe answer is 14.", 0.5, "the marker once, then more text: partial"),
+    ("so #### 14", 0.5, "the marker inside the last line: partial"),
+    ("#### 14\n#### 15", 0.0, "a list of #### lines earns nothing"),
+    ("#### N.", 0.0, "the instruction's literal #### N copied: no number"),
+    ("#### fourteen", 0.0, "no number after the marker"),
+    ("The answer is 14.", 0.0, "no marker"),
+    ("", 0.0, "empty"),
+]
+
+
+@pytest.mark.parametrize("completion,expected,why", HASHES, ids=[c[2] for c in HASHES])
+def test_format_hashes_mode_with_partial_credit(completion, expected, why):
+    assert one("format", completion, params={"mode": "hashes", "partial": 0.5}).value == expected
+    assert one("format", completion, params={"mode": "hashes"}).value == (1.0 if expected == 1.0 else 0.0)
+
+
+def test_format_partial_credit_for_tags_and_its_range():
+    assert one("format", "<think>x</think><answer>2</answer> extra", params={"partial": 0.25}).value == 0.25
+    assert one("format", "<think>x</think>", params={"partial": 0.25}).value == 0.0  # no answer tag at all
+    with pytest.raises(RewardError, match="partial must be in"):
+        build_reward("format", {"partial": 1.0})
+    with pytest.raises(RewardError, match="'strict', 'lenient' or 'hashes'"):
+        build_reward("format", {"mode": "boxed"})
+
+
+ARITHMETIC = [
+    # (completion, score, equations checked, why)
+    ("5 + 3 = 8\n8 * 2 = 16\n#### 16", 1.0, 2, "every calculation right"),
+    ("25 * 4 = 90\n90 - 10 = 80", 0.5, 2, "one wrong product, one right difference"),
+    ("12 - 16 = 1", 0.0, 1, "a wrong subtraction"),
+    ("28 / 4 = 7, so 7 x 3 = 21 and 21 ÷ 3 = 7.", 1.0, 3, "x, ÷ and equations inside a sentence"),
+    ("1,000 + 24 = 1,024", 1.0, 1, "thousands separators"),
+    ("2.5 * 4 = 10", 1.0, 1, "decimals"),
+    ("3 + 4 = 7.5", 0.0, 1, "a decimal result is read whole"),
+    ("10 / 0 = 1", 0.0, 1, "division by zero is wrong, not an error"),
+    ("The answer is 8.", None, 0, "no equation: nothing to check"),
+]
+
+
+@pytest.mark.parametrize("completion,expected,count,why", ARITHMETIC, ids=[c[3] for c in ARITHMETIC])
+def test_arithmetic(completion, expected, count, why):
+    s = one("arithmetic", completion)
+    assert s.value == expected and s.info["equations"] == count
+    if expected is not None and expected < 1:
+        assert s.info["wrong"]  # the trace names the wrong calculations
+
+
 def test_format_says_why():
     assert one("format", "<think>x</think><answer>2</answer> extra").info["reason"] == "text after the answer"
 

@@ -3,18 +3,23 @@
 import hashlib
 import json
 
+import pytest
+
 from docuchat_rl.synthetic import make_problem, make_task, write_jsonl
 
-from .conftest import TASK
+from .conftest import ROOT, TASK
 
 
-def test_committed_data_matches_the_generator(tmp_path):
-    meta = json.loads((TASK / "meta.json").read_text())
-    splits = make_task(meta["seed"], meta["train"]["rows"], meta["test"]["rows"])
+@pytest.mark.parametrize("task", [TASK, ROOT / "data" / "task_1op"], ids=["default", "1op"])
+def test_committed_data_matches_the_generator(tmp_path, task):
+    meta = json.loads((task / "meta.json").read_text())
+    ops = tuple(meta.get("ops", (2, 4)))
+    splits = make_task(meta["seed"], meta["train"]["rows"], meta["test"]["rows"], ops=ops)
     for name, problems in splits.items():
         digest = write_jsonl(problems, tmp_path / f"{name}.jsonl")
         assert digest == meta[name]["sha256"]
-        assert hashlib.sha256((TASK / f"{name}.jsonl").read_bytes()).hexdigest() == digest
+        assert hashlib.sha256((task / f"{name}.jsonl").read_bytes()).hexdigest() == digest
+        assert all(ops[0] <= p.answer.count("<<") <= ops[1] for p in problems)
 
 
 def test_splits_are_disjoint_and_sized():

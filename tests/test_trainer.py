@@ -17,7 +17,7 @@ import yaml
 from docuchat_rl.config import load_config
 from docuchat_rl.data import DataError
 from docuchat_rl.outputs import read_jsonl
-from docuchat_rl.trainer import Timer, Trainer, TrainingError
+from docuchat_rl.trainer import MEASURED, Timer, Trainer, TrainingError
 
 from .conftest import MODEL, ROOT
 
@@ -25,7 +25,6 @@ FAST = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_
         "logging.progress=false", "eval.before_and_after=false", "run.threads=2"]
 TRACE_KEYS = {"run_id", "step", "prompt_id", "group", "sample", "used", "prompt", "completion", "gold",
               "completion_tokens", "truncated", "rewards", "total", "total_missing", "advantage"}
-TIMING = ("time/", "rollout_tokens_per_s")
 
 
 def cfg_for(tmp_path, *extra):
@@ -43,7 +42,7 @@ def cfg_for(tmp_path, *extra):
 
 def untimed(records):
     """Records without timings and without the run id (two separate runs compared)."""
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING) and k != "run_id"} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED) and k != "run_id"} for r in records]
 
 
 @pytest.mark.slow

