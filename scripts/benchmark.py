@@ -5,6 +5,8 @@
     python scripts/benchmark.py --only ours --set optim.share_prompt=false
     python scripts/benchmark.py --sweep              # group size {4, 8, 16} x max new tokens {32, 64, 128}
     python scripts/benchmark.py --json
+    python scripts/benchmark.py --config config/smollm2.yaml --steps 30 --repeats 1 --lengths natural --curve
+    python scripts/benchmark.py --config config/smollm2.yaml --switches --steps 5 --warmup 1 --repeats 2
 
 Robust to a noisy machine (the same TRL run has taken 2.65 and 3.58 s/step here): each side runs
 `--repeats` times, interleaved (ours, TRL, TRL, ours, ...: drift hits both alike), each run in its own
@@ -20,6 +22,21 @@ learning rate (constant), beta 0, mu 1, the "grpo" loss aggregation, and the cor
 (ours from `rewards/`, TRL's the same function in TRL's reward signature). Printed per side: seconds per
 step, our seconds per phase, rollout tokens/s, peak RSS, mean reward over the last 10 steps; then ours/TRL.
 TRL's rollout time is measured around its `generate` call.
+
+`--config RECIPE` runs a recipe instead (the real model: config/smollm2.yaml): both sides get its model,
+system prompt, every reward component with its weight and params (TRL: `reward_funcs` + `reward_weights`),
+sampling settings, learning rate and schedule, GRPO settings (TRL's `loss_type`, `scale_rewards`, epsilon,
+beta, num_iterations) and micro-batch (TRL: `per_device_train_batch_size` = optim.micro_batch_size with
+gradient accumulation up to the step's completions, so one generation batch and one optimizer step per
+step, as ours); prompts per step, group size, max new tokens, temperature and lr default to the recipe's.
+Ours runs in the recipe's `model.dtype`; TRL on a CPU only in float32 (`use_cpu=True, bf16=False`; its
+config refuses bf16 there), unless `--trl-dtype bfloat16` loads its model in bfloat16. `--curve` prints the
+mean training reward of both sides per window of 5 steps (the same prompts in the same order).
+
+`--switches` runs our side only: the recipe as it is (every `auto` switch decided for the CPU), then with
+one speed switch at a time set to its plain path (SWITCHES), the variants interleaved in each repeat; a
+table of each variant's s/step, rollout and update seconds, peak RSS and rollout tokens/s against the
+defaults. That table decides which switches are on by default on CPUs (config.Config.for_device).
 """
 
 from __future__ import annotations
@@ -37,11 +54,47 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+TOY = {"prompts": 8, "generations": 8, "max_new": 48, "lr": 5e-4, "temperature": 1.0}  # the embedded default's
+
+
 def settings_args(a) -> list[str]:
     return ["--prompts", str(a.prompts), "--generations", str(a.generations), "--max-new", str(a.max_new),
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--lr", str(a.lr), "--temperature", str(a.temperature),
             "--threads", str(a.threads), *(["--fixed-length"] if a.fixed_length else []),
+            *(["--config", str(a.config)] if a.config else []), "--trl-dtype", a.trl_dtype,
             *[x for s in a.overrides for x in ("--set", s)]]
+
+
+def fill_settings(a) -> None:
+    """Settings left unset: the recipe's (--config), else the embedded default benchmark's (TOY)."""
+    defaults = TOY
+    if a.config:
+        from docuchat_rl.config import load_config
+
+        cfg = load_config(a.config, a.overrides)
+        r = cfg.rollout
+        defaults = {"prompts": r.prompts_per_step, "generations": r.num_generations, "max_new": r.max_new_tokens,
+                    "lr": cfg.optim.lr, "temperature": r.temperature}
+    for key, value in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+
+
+def bench_config(a, out: str):
+    """Our config for a run: the recipe's (or the embedded default's, reduced to the correctness reward with
+    beta 0, mu 1 and the grpo aggregation) at the benchmark's sizes."""
+    from docuchat_rl.config import load_config
+
+    sizes = [f"run.output_dir={out}", f"run.steps={a.steps}", f"run.threads={a.threads}", "run.seed=0",
+             f"rollout.prompts_per_step={a.prompts}", f"rollout.num_generations={a.generations}",
+             f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}", f"optim.lr={a.lr}",
+             f"rollout.min_new_tokens={a.max_new if a.fixed_length else 0}", "logging.progress=false",
+             f"checkpoint.every={a.steps + 1}", "eval.before_and_after=false"]
+    if a.config:
+        return load_config(a.config, [*sizes, *a.overrides])
+    toy = ["algorithm.beta=0", "algorithm.num_iterations=1", "algorithm.loss_aggregation=grpo",
+           "optim.schedule=constant", "optim.warmup_steps=0", "rewards.components=[{name: correctness, weight: 1.0}]"]
+    return load_config(ROOT / "config/default.yaml", [*sizes, *toy, *a.overrides])
 
 
 def after_warmup(values: list, a) -> list:
@@ -62,20 +115,10 @@ def prompt_order(n_rows: int, a) -> list[int]:
 
 
 def run_ours(a) -> dict:
-    from docuchat_rl.config import load_config
     from docuchat_rl.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(ROOT / "config/default.yaml", [
-            f"run.output_dir={out}", f"run.steps={a.steps}", f"run.threads={a.threads}", "run.seed=0",
-            f"rollout.prompts_per_step={a.prompts}", f"rollout.num_generations={a.generations}",
-            f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}",
-            "algorithm.beta=0", "algorithm.num_iterations=1", "algorithm.loss_aggregation=grpo",
-            f"optim.lr={a.lr}", "optim.schedule=constant", "optim.warmup_steps=0",
-            f"rollout.min_new_tokens={a.max_new if a.fixed_length else 0}",
-            "rewards.components=[{name: correctness, weight: 1.0}]", "logging.progress=false",
-            f"checkpoint.every={a.steps + 1}", "eval.before_and_after=false", *a.overrides])
-        trainer = Trainer(cfg)
+        trainer = Trainer(bench_config(a, out))
         history = trainer.train()
         trainer.close()
     rest = after_warmup(history, a)
@@ -86,6 +129,8 @@ def run_ours(a) -> dict:
         "rollout_tokens_per_s": statistics.median(m["rollout_tokens_per_s"] for m in rest),
         "peak_rss_mb": peak_rss_mb(),
         "mean_reward_last_10": statistics.mean(m["reward/mean"] for m in history[-10:]),
+        "reward_per_step": [m["reward/mean"] for m in history],
+        "mismatch_mean": statistics.mean(m["sampler/mismatch_mean"] for m in history),
     }
 
 
@@ -96,22 +141,24 @@ def run_trl(a) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from docuchat_rl.config import load_config
     from docuchat_rl.data import load_examples, render_prompt
     from docuchat_rl.modeling import load_model_and_tokenizer
     from rewards import build_reward
 
     torch.set_num_threads(a.threads)
-    cfg = load_config(ROOT / "config/default.yaml")
-    model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), "float32", "cpu")
+    with tempfile.TemporaryDirectory() as scratch:
+        cfg = bench_config(a, scratch)  # (the same recipe our side runs)
+    model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cpu")
     rows = load_examples(str(ROOT / cfg.data.train), "train", cfg.data.prompt_column, cfg.data.answer_column)
     order = prompt_order(len(rows), a)
     data = Dataset.from_list([{"prompt": render_prompt(tok, rows[i].question, cfg.data.system_prompt),
                                "answer": rows[i].answer} for i in order])
-    ours = build_reward("correctness")
-
-    def correctness(prompts, completions, answer, **kwargs) -> list[float | None]:
-        return ours(prompts, completions, answer=answer)
+    # our reward components are TRL-style callables already (named after their registry names)
+    funcs = [build_reward(c.name, c.params) for c in cfg.rewards.components]
+    weights = [c.weight for c in cfg.rewards.components]
+    rows_per_step = a.prompts * a.generations
+    micro = min(cfg.optim.micro_batch_size, rows_per_step)
+    alg = cfg.algorithm
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -127,16 +174,21 @@ def run_trl(a) -> dict:
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
-            max_steps=a.steps, per_device_train_batch_size=a.prompts * a.generations,
+            max_steps=a.steps, per_device_train_batch_size=micro, gradient_accumulation_steps=rows_per_step // micro,
             num_generations=a.generations, max_completion_length=a.max_new, temperature=a.temperature,
-            learning_rate=a.lr, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, beta=0.0,
-            num_iterations=1, loss_type="grpo", scale_rewards="group", shuffle_dataset=False, seed=0,
-            activation_checkpointing=False, disable_tqdm=True,
+            top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, learning_rate=a.lr,
+            lr_scheduler_type={"constant": "constant_with_warmup"}.get(cfg.optim.schedule, cfg.optim.schedule),
+            warmup_steps=cfg.optim.warmup_steps, max_grad_norm=cfg.optim.max_grad_norm, beta=alg.beta,
+            epsilon=alg.epsilon_low, epsilon_high=alg.epsilon_high, num_iterations=alg.num_iterations,
+            loss_type=alg.loss_aggregation, scale_rewards=alg.scale, reward_weights=weights,
+            shuffle_dataset=False, seed=0, activation_checkpointing=cfg.model.gradient_checkpointing,
+            disable_dropout=cfg.model.disable_dropout, disable_tqdm=True,
             generation_kwargs={"min_new_tokens": a.max_new} if a.fixed_length else None)
-        trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[correctness], args=args,
+        trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=funcs, args=args,
                               train_dataset=data, callbacks=[clock],
-                              peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
-                                                     target_modules="all-linear", task_type="CAUSAL_LM"))
+                              peft_config=LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                     lora_dropout=cfg.lora.dropout,
+                                                     target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM"))
         gen_seconds: list[float] = []
         policy = trainer.model
         plain_generate = policy.generate
@@ -151,7 +203,6 @@ def run_trl(a) -> dict:
         policy.generate = timed_generate
         trainer.train()
     logs = [r for r in trainer.state.log_history if "reward" in r]
-    rows_per_step = a.prompts * a.generations
     tok_s = [r["completions/mean_length"] * rows_per_step / s for r, s in zip(logs, gen_seconds)]
     return {
         "seconds_per_step": statistics.median(after_warmup(clock.seconds, a)),
@@ -159,6 +210,7 @@ def run_trl(a) -> dict:
         "rollout_tokens_per_s": statistics.median(after_warmup(tok_s, a)),
         "peak_rss_mb": peak_rss_mb(),
         "mean_reward_last_10": statistics.mean(r["reward"] for r in logs[-10:]),
+        "reward_per_step": [r["reward"] for r in logs],
     }
 
 
@@ -196,6 +248,43 @@ def compare(a, **changes) -> dict:
     return result
 
 
+# each speed switch's plain path (the defaults have every switch on), and the CPU's other dtype (bf16-mixed,
+# with and without merged sampling) against its default float32; several overrides in one variant: " + "
+SWITCHES = ["rollout.engine=hf", "rollout.grouped_decode=false", "rollout.merge_adapter=false",
+            "optim.share_prompt=false", "optim.length_buckets=1", "lora.fused=false", "model.dtype=bf16-mixed",
+            "model.dtype=bf16-mixed + rollout.merge_adapter=false"]
+
+
+def switches(a) -> dict:
+    """Our side with the defaults and with each switch off, interleaved (the order reversed every other
+    repeat); per variant the median run's numbers and the spread of its seconds per step."""
+    variants = [("defaults", [])] + [(s, s.split(" + ")) for s in SWITCHES]
+    runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
+    for i in range(a.repeats):
+        for name, extra in (variants if i % 2 == 0 else variants[::-1]):
+            runs[name].append(spawn("ours", a, overrides=[*a.overrides, *extra]))
+    out = {}
+    for name, rs in runs.items():
+        times = [r["seconds_per_step"] for r in rs]
+        mid = statistics.median(times)
+        out[name] = {**min(rs, key=lambda r: abs(r["seconds_per_step"] - mid)), "seconds_per_step": mid,
+                     "spread": [min(times), max(times)]}
+    return out
+
+
+def print_switches(title: str, result: dict) -> None:
+    base = result["defaults"]
+    print(title)
+    print(f"  {'variant':<52}{'s/step':>8}{'spread':>13}{'vs defaults':>12}{'rollout s':>11}{'update s':>10}"
+          f"{'tok/s':>7}{'peak RSS MB':>13}{'mismatch':>10}")
+    for name, r in result.items():
+        ph = r["phases"]
+        print(f"  {name:<52}{r['seconds_per_step']:>8.2f}{r['spread'][0]:>6.2f}-{r['spread'][1]:<6.2f}"
+              f"{r['seconds_per_step'] / base['seconds_per_step']:>11.2f}x{ph.get('rollout', 0):>11.2f}"
+              f"{ph.get('update', 0):>10.2f}{r['rollout_tokens_per_s']:>7.0f}{r['peak_rss_mb']:>13.0f}"
+              f"{r['mismatch_mean']:>10.1e}")
+
+
 def print_table(title: str, result: dict) -> None:
     print(title)
     print(f"  {'':<8}{'s/step':>8}{'spread':>14}{'rollout s':>11}{'update s':>10}{'tok/s':>8}{'peak RSS MB':>13}"
@@ -217,18 +306,36 @@ def print_table(title: str, result: dict) -> None:
         print("  our phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in result["ours"]["phases"].items()))
 
 
+def print_curve(result: dict, window: int = 5) -> None:
+    """Each side's mean training reward per window of steps (the median run's), side by side."""
+    sides = [side for side in ("ours", "trl") if side in result]
+    curves = {side: result[side]["reward_per_step"] for side in sides}
+    n = min(len(c) for c in curves.values())
+    print(f"  training reward per {window} steps: " + " | ".join(sides))
+    for lo in range(0, n, window):
+        hi = min(lo + window, n)
+        cells = [f"{statistics.mean(curves[side][lo:hi]):.3f}" for side in sides]
+        print(f"    steps {lo + 1:>3}-{hi:<3} " + " | ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
-    ap.add_argument("--generations", type=int, default=8, help="completions per prompt (group size)")
-    ap.add_argument("--max-new", type=int, default=48, help="max new tokens per completion")
+    ap.add_argument("--config", type=Path, default=None,
+                    help="a recipe to run on both sides (default: the embedded default, correctness reward only)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per step (8; with --config, the recipe's)")
+    ap.add_argument("--generations", type=int, default=None, help="completions per prompt (8, or the recipe's)")
+    ap.add_argument("--max-new", type=int, default=None, help="max new tokens per completion (48, or the recipe's)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4, help="steps left out of each run's median")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
     ap.add_argument("--lengths", choices=["natural", "fixed", "both"], default="both",
                     help="natural EOS, fixed length (no EOS before max-new), or both")
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=None, help="5e-4, or the recipe's")
+    ap.add_argument("--temperature", type=float, default=None, help="1.0, or the recipe's")
+    ap.add_argument("--trl-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the dtype TRL's model is loaded in (its CPU config runs float32 only)")
+    ap.add_argument("--curve", action="store_true", help="print both sides' training reward per 5 steps")
+    ap.add_argument("--switches", action="store_true", help="our side only: each speed switch off against the defaults")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for each side")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="extra override for our side, e.g. rollout.engine=hf (repeatable)")
@@ -242,6 +349,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
+    fill_settings(a)
     if a.engine is not None:  # (sugar for --set rollout.engine=...; passed on to the workers as overrides)
         a.overrides = [f"rollout.engine={a.engine}", *a.overrides]
         if a.engine == "vllm" and not any(o.startswith("rollout.vllm.") for o in a.overrides):
@@ -252,17 +360,32 @@ def main() -> None:
         print(json.dumps(run_ours(a) if a.worker == "ours" else run_trl(a)))
         return
     started = time.strftime("%Y-%m-%d")
+    if a.switches:
+        for fixed in {"natural": [False], "fixed": [True], "both": [False, True]}[a.lengths]:
+            b = argparse.Namespace(**{**vars(a), "fixed_length": fixed})
+            result = switches(b)
+            if a.json:
+                print(json.dumps({"date": started, "fixed_length": fixed, "switches": result}))
+            else:
+                print_switches(f"{started}: {a.config or 'embedded default'}, switches one at a time, "
+                               f"{a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens "
+                               f"({'fixed length' if fixed else 'natural EOS'}), {a.steps} steps ({a.warmup} "
+                               f"warm-up), {a.repeats} runs each", result)
+        return
     if not a.sweep:
         report = {}
         for fixed in {"natural": [False], "fixed": [True], "both": [False, True]}[a.lengths]:
             result = compare(a, fixed_length=fixed)
             report["fixed_length" if fixed else "natural_eos"] = result
             if not a.json:
-                print_table(f"{started}: {a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens "
-                            f"({'fixed length' if fixed else 'natural EOS'}), {a.steps} steps ({a.warmup} warm-up), "
-                            f"{a.repeats} runs a side, {a.threads} threads", result)
+                print_table(f"{started}: {a.config or 'embedded default'}, {a.prompts} prompts x {a.generations} "
+                            f"completions, {a.max_new} new tokens ({'fixed length' if fixed else 'natural EOS'}), "
+                            f"{a.steps} steps ({a.warmup} warm-up), {a.repeats} runs a side, {a.threads} threads",
+                            result)
+                if a.curve:
+                    print_curve(result)
         if a.json:
-            print(json.dumps({"date": started, "settings": vars(a), **report}))
+            print(json.dumps({"date": started, "settings": {k: str(v) for k, v in vars(a).items()}, **report}))
         return
     points = []
     for g in (4, 8, 16):

@@ -31,7 +31,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("rollout", "update", "log", "checkpoint")
-TIMING = ("time/", "rollout_tokens_per_s")
 # how long after entering a phase the kill may land (s): about each phase's length on 2 CPU cores
 WINDOW = {"rollout": 0.25, "update": 0.2, "log": 0.0, "checkpoint": 0.03}
 
@@ -66,8 +65,9 @@ def restart(out: Path, steps: int) -> list[str]:
 
 def untimed(path: Path) -> list[dict]:
     from docuchat_rl.outputs import read_jsonl
+    from docuchat_rl.trainer import MEASURED
 
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING) and k != "run_id"} for r in read_jsonl(path)]
+    return [{k: v for k, v in r.items() if not k.startswith(MEASURED) and k != "run_id"} for r in read_jsonl(path)]
 
 
 def kill_in(cmd: list[str], phase_file: Path, target: str, rng: random.Random, timeout: float) -> str | None:
