@@ -122,7 +122,13 @@ def cmd_train(args, on_phase=None) -> int:
     do_eval = bool(cfg.eval.before_and_after and cfg.data.test)  # every process evaluates a share of the rows
     try:
         if do_eval and trainer.step == 0:
-            report["before"] = trainer.evaluate()
+            try:
+                report["before"] = trainer.evaluate()
+            except KeyboardInterrupt:  # (Trainer.train handles SIGINT itself; this is before it)
+                if trainer.is_main:
+                    print("docuchat-rl: interrupted during the evaluation before training: nothing was trained; "
+                          "run the same command to start again", file=sys.stderr, flush=True)
+                return 130
             if trainer.is_main:
                 print("eval before:", json.dumps(report["before"]), flush=True)
         trainer.train(stop_after=args.stop_after)
@@ -395,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
             FileNotFoundError, FileExistsError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside training's own handler (loading, evaluating, generating)
+        print(f"docuchat-rl: interrupted ({args.command})", file=sys.stderr)
+        return 130
     except OSError as e:  # the disk: full, read-only, a size limit
         where = f" ({e.filename})" if e.filename else ""
         print(f"docuchat-rl: error: could not write{where}: {e.strerror or e}; the last checkpoint is intact",

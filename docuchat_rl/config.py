@@ -286,9 +286,16 @@ class RunConfig(Section):
     """The run as a whole: output folder, length, seed, threads."""
 
     output_dir: str = "runs/default"
-    """Where checkpoints, metrics.jsonl and traces.jsonl go."""
+    """Where checkpoints, metrics.jsonl and traces.jsonl go (a folder of their own, never empty: '' would be the working folder)."""
     steps: int = Field(200, ge=1)
     """Training steps (one rollout + its updates each)."""
+
+    @field_validator("output_dir")
+    @classmethod
+    def _a_folder_of_its_own(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must name a folder (empty would write the run into the working folder)")
+        return v
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
     threads: int | None = Field(None, ge=1)

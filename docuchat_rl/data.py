@@ -70,6 +70,18 @@ class Example:
     messages: tuple[dict, ...] | None = None  # a conversational prompt's messages, as the data set gave them
 
 
+def _check_utf8(path: Path) -> None:
+    """Refuse a text data file that is not UTF-8, naming its first bad line (datasets reads such a file and
+    fails only later, when a row is read, with a traceback that names neither the file nor the row)."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: line {number} is not UTF-8 text (byte {line[e.start:e.start + 1]!r} at "
+                                f"column {e.start + 1}); save the file as UTF-8") from None
+
+
 def load_table(source: str, split: str, revision: str | None = None, subset: str | None = None):
     """A `datasets.Dataset` from a local file (by extension) or a hub name. Errors name the source."""
     import datasets
@@ -86,6 +98,8 @@ def load_table(source: str, split: str, revision: str | None = None, subset: str
                             f"use one of {sorted(LOCAL_FORMATS)}")
         if path.stat().st_size == 0:
             raise DataError(f"data file is empty: {source}")
+        if fmt != "parquet":
+            _check_utf8(path)
         try:
             table = datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as e:  # datasets wraps parser errors in many types

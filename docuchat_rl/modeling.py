@@ -213,7 +213,15 @@ def build_lora(model, cfg: LoraConfig):
             for t in cfg.target_modules):
         raise ModelError("lora.target_modules names the output head, which model.dtype bf16-mixed computes in "
                          "float32 outside peft: use model.dtype float32 or bfloat16 to adapt it")
-    return get_peft_model(model, lora_config(cfg))
+    try:
+        return get_peft_model(model, lora_config(cfg))
+    except ValueError as e:  # peft's NoMatchingPeftModuleError (a ValueError), raised after its own traceback
+        if "not found in the base model" not in str(e):
+            raise
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear) and m is not model.get_output_embeddings()})
+        raise ModelError(f"lora.target_modules {cfg.target_modules} matches no module of the model; its linear "
+                         f"layers are: {', '.join(linear)} (or 'all-linear')") from None
 
 
 def add_critic_adapter(model, cfg: LoraConfig) -> None:

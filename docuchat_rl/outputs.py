@@ -36,12 +36,18 @@ def claim_output_dir(out_dir: Path, overwrite: bool) -> None:
     mix with this run's. Raises ValueError naming what is there, or removes it when `overwrite`.
     Only the files a run writes are touched; anything else in the folder stays."""
     out_dir = Path(out_dir)
-    found = [out_dir / n for n in RUN_FILES if (out_dir / n).exists()] + sorted(out_dir.glob("checkpoint-*"))
+    files = [out_dir / n for n in RUN_FILES if (out_dir / n).exists()]
+    checkpoints = sorted(out_dir.glob("checkpoint-*"))
+    # empty run files (a start that failed before writing anything) hold nothing to lose or to resume
+    found = [p for p in files if p.stat().st_size > 0] + checkpoints
     if found and not overwrite:
         names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
-        raise ValueError(f"run.output_dir {out_dir} already holds a run ({names}): continue it with "
-                         f"--resume latest, choose another run.output_dir, or set run.overwrite=true to replace it")
-    for path in found:
+        resumable = checkpoints or (out_dir / "latest").exists()
+        how = ("continue it with --resume latest, choose" if resumable else
+               "it has no checkpoint to resume from: choose")
+        raise ValueError(f"run.output_dir {out_dir} already holds a run ({names}): {how} another run.output_dir, "
+                         f"or set run.overwrite=true to replace it")
+    for path in files + checkpoints:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 

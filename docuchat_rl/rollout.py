@@ -143,13 +143,13 @@ class Collector:
         """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts;
         `seeds` gives each row its own random stream."""
         r = self.cfg
+        model.eval()  # (also under vLLM: the old-log-prob and reference passes that follow run in this mode)
         if self.vllm is not None:
             gen = self.vllm.generate([self.prompt_texts[i] for i in idx], num_return_sequences=r.num_generations,
                                      row_seeds=seeds, max_new_tokens=r.max_new_tokens,
                                      min_new_tokens=r.min_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                      top_k=r.top_k)
             return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        model.eval()
         with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
             gen = generate(model, self.tokenizer, [self.prompt_texts[i] for i in idx],
                            max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,

@@ -67,6 +67,7 @@ class Trainer:
         self.on_phase = on_phase or (lambda name: None)
         self._held_out: list[Example] | None = None
         self._no_reward_steps = self.run.state.no_reward_streak  # steps in a row without any reward value
+        self._bar = None  # the progress bar while train() draws one (_say writes around it)
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
 
     # ---------------------------------------------------------------- phases
@@ -124,17 +125,26 @@ class Trainer:
         self._check_rewards(records, m)
         return m
 
+    def _say(self, line: str) -> None:
+        """A line on stderr, on its own line: with the progress bar drawn, through tqdm (which clears the bar,
+        writes the line and redraws it; a plain print would land after the bar's text, where the bar's next
+        redraw hides it)."""
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
     def _check_rewards(self, records: list, m: dict) -> None:
         """Say at once when a component failed on every completion or the step had no learning signal
         (traces.signal_warnings), and stop when no component gave any completion a value for
         `rewards.max_failed_steps` steps in a row (the run would train nothing)."""
         if self.is_main:
             for line in reward_failures(records, self.run.reward.names) + signal_warnings(m):
-                print(f"docuchat-rl: warning: {line}", file=sys.stderr, flush=True)
+                self._say(f"docuchat-rl: warning: {line}")
         self._no_reward_steps = self._no_reward_steps + 1 if m["reward_missing"] == len(records) else 0
         if self._no_reward_steps >= self.cfg.rewards.max_failed_steps:
-            first = next((c["error"] for r in records for c in r.rewards.values() if c["error"]),
-                         "every component returned None")
+            first = next((f"reward {name!r}: {c['error']}" for r in records for name, c in r.rewards.items()
+                          if c["error"]), "every component returned None")
             raise TrainingError(f"no reward component produced a value for any completion in {self._no_reward_steps} "
                                 f"steps in a row (rewards.max_failed_steps): nothing to learn from; first error: "
                                 f"{first}")
@@ -180,6 +190,7 @@ class Trainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        self._bar = bar
         started = time.perf_counter()
         try:
             with self.preemption.handling():
@@ -199,6 +210,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+            self._bar = None
         return history
 
     def _step(self, step: int, started: float, last: bool = False) -> dict:

@@ -19,6 +19,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -117,11 +118,28 @@ class FunctionReward(Reward):
         if not self._takes_all:
             kwargs = {k: v for k, v in kwargs.items() if k in self._names}
         values = self.fn(**kwargs)
-        if inspect.isawaitable(values):
-            values = asyncio.run(_awaited(values))
+        if inspect.isawaitable(values):  # on the run's one event loop (as TRL), so an async client, semaphore or
+            # session a reward module keeps between calls stays on the loop it was made on
+            values = asyncio.run_coroutine_threadsafe(_awaited(values), _event_loop()).result()
         if not isinstance(values, (list, tuple)):
             raise RewardError(f"reward {self.name!r} returned {type(values).__name__}, expected a list")
         return [Score(v) for v in values]
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []  # the process's event loop for async rewards, made on first use
+_LOOP_LOCK = threading.Lock()
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for every async reward call of the process, run by a daemon thread of its own
+    (TRL keeps one loop the same way; `asyncio.run` per call would make a new loop each time, and an
+    `AsyncOpenAI` client or `asyncio.Semaphore` from the first call fails on the next)."""
+    with _LOOP_LOCK:
+        if not _LOOP:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="reward-event-loop", daemon=True).start()
+            _LOOP.append(loop)
+        return _LOOP[0]
 
 
 async def _awaited(awaitable):
@@ -183,6 +201,11 @@ def resolve_reward(name: str) -> type[Reward] | Callable:
             obj = getattr(_import(module), attr)
         except (ImportError, AttributeError, OSError) as e:
             raise RewardError(f"cannot import reward {name!r}: {e}") from e
+        except SyntaxError as e:  # (the module's own code: its file and line, not a traceback)
+            raise RewardError(f"cannot import reward {name!r}: syntax error in {e.filename} line {e.lineno}: "
+                              f"{e.msg}") from e
+        except Exception as e:  # the module raised while it was imported (a NameError at top level, ...)
+            raise RewardError(f"cannot import reward {name!r}: importing it raised {type(e).__name__}: {e}") from e
         if not callable(obj):
             raise RewardError(f"reward {name!r} is not callable")
         return obj

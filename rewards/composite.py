@@ -16,20 +16,117 @@ non-number, NaN or inf (that completion only), or ran past `timeout_s`. It is re
 component's `error` field and counted in `errors[name]`; with `strict=True` it raises `RewardFailure`
 at once instead.
 
-Deliberately left out: killing a timed-out reward. Python cannot stop a thread, so a reward past its
-limit is abandoned (its result ignored) and keeps a worker thread busy until it returns.
+Where a reward runs: in the calling thread when that is the main thread (as TRL calls sync rewards, so
+signal-based code such as math_verify's timeouts works), interrupted at `timeout_s` by a watchdog;
+called from another thread, in a worker thread of its own.
+
+Deliberately left out: killing a reward stuck inside C code that never returns to Python (in the main
+thread it is interrupted when it does; a worker thread past its limit is abandoned, its result ignored,
+and since it is a daemon a run that has finished exits without waiting for it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import queue
+import signal
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from numbers import Real
 from typing import Any
 
 from .base import Reward, RewardError, Score, build_reward
+
+
+def as_number(value: Any) -> float | None:
+    """A reward function's value as a float, accepting what TRL accepts (it reads the list with
+    `torch.tensor(..., dtype=float32)`): int, float, bool, numpy scalars, and one-element arrays or tensors
+    (read through `.item()`, so this module needs neither numpy nor torch); None for anything else
+    (text, a list, an array of several values, a complex number).
+
+    >>> [as_number(v) for v in (1, 0.5, True, "1", [1.0])]
+    [1.0, 0.5, 1.0, None, None]
+    """
+    if isinstance(value, Real):  # (bool and numpy's integer and floating scalars are Reals too)
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (str, bytes)):
+        try:
+            inner = item()  # a one-element numpy array or torch tensor; several elements raise
+        except (ValueError, RuntimeError, TypeError):
+            return None
+        return float(inner) if isinstance(inner, Real) else None
+    return None
+
+
+class _Worker:
+    """One daemon thread that runs the calls given to it in turn, each answered through a Future.
+
+    Hand-written because concurrent.futures' ThreadPoolExecutor joins its threads at interpreter exit: a
+    reward abandoned past its time limit (sleeping, or waiting on a judge that never answers) would keep a
+    finished run from exiting, and its output folder's lock held. A daemon thread is not waited for."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="reward", daemon=True).start()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, kwargs, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # (SystemExit too: it is the caller's to judge)
+                    future.set_exception(e)
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._jobs.put((fn, args, kwargs, future))
+        return future
+
+    def abandon(self) -> None:
+        """Let the thread end after its current call (if that ever returns)."""
+        self._jobs.put(None)
+
+
+class _Deadline(BaseException):
+    """Raised in the main thread when a reward's time is up (a BaseException: a reward's own `except
+    Exception` cannot swallow it)."""
+
+
+_DEADLINE_SIGNAL = getattr(signal, "SIGUSR2", None)  # (SIGALRM is math_verify's: its alarm(0) would cancel ours)
+
+
+@contextlib.contextmanager
+def _main_thread_deadline(seconds: float):
+    """Run the block in the main thread and interrupt it after `seconds`: a watchdog thread sends SIGUSR2 to
+    the main thread, whose handler raises while the block still runs (a sleep or a socket wait is cut
+    short; a long call inside C code is interrupted when it returns to Python). Hand-written because
+    signal-based timeouts (SIGALRM) are what user code like math_verify uses itself, and they nest badly."""
+    state = {"running": True}
+
+    def interrupt(signum, frame):
+        if state["running"]:
+            raise _Deadline
+
+    previous = signal.signal(_DEADLINE_SIGNAL, interrupt)
+    watchdog = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, _DEADLINE_SIGNAL))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        try:
+            yield
+        finally:
+            state["running"] = False
+            watchdog.cancel()
+    except _Deadline:
+        raise TimeoutError(f"exceeded the {seconds:g} s time limit") from None
+    finally:
+        signal.signal(_DEADLINE_SIGNAL, previous)
 
 
 class RewardFailure(RuntimeError):
@@ -92,22 +189,30 @@ class CompositeReward:
         if len(set(names)) != len(names):
             raise RewardError(f"a reward is listed twice: {names}")
         self.strict, self.timeout_s = strict, timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        self._worker = _Worker()
 
     @property
     def names(self) -> list[str]:
         return [n for n, _, _ in self.components]
 
     def _call(self, reward: Reward, prompts: list, completions: list, columns: dict) -> list[Score]:
-        """One component on the batch, under the time limit; raises on any malformed result."""
-        future = self._pool.submit(reward.explain, prompts, completions, **columns)
-        try:
-            scores = future.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            # abandon the stuck worker; a fresh pool serves the next calls
-            self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
-            raise TimeoutError(f"exceeded the {self.timeout_s:g} s time limit") from None
+        """One component on the batch, under the time limit; raises on any malformed result. In the main
+        thread the reward runs right there (as TRL calls sync rewards), so code that relies on signals works
+        (math_verify's parse/verify with their default timeouts refuse to run in any other thread), and a
+        watchdog interrupts it at the limit (`_main_thread_deadline`); elsewhere it runs in a worker thread,
+        abandoned at the limit."""
+        if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill"):
+            with _main_thread_deadline(self.timeout_s):
+                scores = reward.explain(prompts, completions, **columns)
+        else:
+            future = self._worker.submit(reward.explain, prompts, completions, **columns)
+            try:
+                scores = future.result(timeout=self.timeout_s)
+            except FutureTimeout:
+                # abandon the stuck worker; a fresh one serves the next calls
+                self._worker.abandon()
+                self._worker = _Worker()
+                raise TimeoutError(f"exceeded the {self.timeout_s:g} s time limit") from None
         if not isinstance(scores, (list, tuple)):
             raise TypeError(f"returned {type(scores).__name__}, expected a list")
         if len(scores) != len(completions):
@@ -132,10 +237,13 @@ class CompositeReward:
                 batch_error = None
                 for key, values in logged.items():
                     result.metrics.setdefault(key, []).extend(values)
-            except Exception as e:  # isolation: any failure of a user's reward is recorded, not raised
+            except (Exception, SystemExit) as e:  # isolation: any failure of a user's reward is recorded, not
+                # raised; sys.exit() in a reward too (it would end the run at once with no checkpoint); os._exit
+                # cannot be caught in a process
+                why = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
                 if self.strict:
-                    raise RewardFailure(f"reward {name!r} failed: {type(e).__name__}: {e}") from e
-                scores, batch_error = [Score(None)] * n, f"{type(e).__name__}: {e}"
+                    raise RewardFailure(f"reward {name!r} failed: {why}") from e
+                scores, batch_error = [Score(None)] * n, why
             result.seconds[name] = time.perf_counter() - t0
             failed = 0
             for i, s in enumerate(scores):
@@ -144,10 +252,13 @@ class CompositeReward:
                 if extras:
                     info = {**info, **{k: v[i] for k, v in extras.items() if i < len(v)}}
                 if error is None and raw is not None:
-                    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+                    value = as_number(raw)
+                    if value is None:
                         error, raw = f"returned {type(raw).__name__} {str(raw)[:40]!r}, expected a number", None
-                    elif not math.isfinite(raw):
-                        error, raw = f"returned a non-finite value {raw}", None
+                    elif not math.isfinite(value):
+                        error, raw = f"returned a non-finite value {value}", None
+                    else:
+                        raw = value
                 if error is not None:
                     raw = None
                     failed += 1

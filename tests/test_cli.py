@@ -87,3 +87,30 @@ def test_stop_after_checkpoints_mid_schedule_says_how_to_go_on_and_refuses_a_ste
     assert (out / "latest").read_text().strip() == "checkpoint-1"  # written although checkpoint.every is 50
     assert main([*argv, "--resume", "latest", "--stop-after", "1"]) == 2
     assert "--stop-after 1: must come after the run's last step (1)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_start_that_fails_before_step_1_leaves_nothing_that_blocks_the_corrected_rerun(tmp_path, capsys):
+    """A missing held-out file with evaluation on fails at start in one line; the same command with the file
+    corrected then runs (no 'already holds a run', no run.overwrite needed)."""
+    out = tmp_path / "run"
+    sets = ["--set", f"run.output_dir={out}", "--set", "run.steps=1", "--set", "rollout.prompts_per_step=2",
+            "--set", "rollout.num_generations=2", "--set", "rollout.max_new_tokens=8", "--set", "eval.limit=4",
+            "--set", "logging.progress=false"]
+    assert main(["train", *sets, "--set", f"data.test={tmp_path / 'nope.jsonl'}"]) == 2
+    assert "nope.jsonl" in capsys.readouterr().err
+    assert main(["train", *sets]) == 0
+    assert (out / "latest").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_evaluation_before_training_is_one_line_and_the_rerun_starts(tmp_path, capsys):
+    out = tmp_path / "run"
+    sets = ["--set", f"run.output_dir={out}", "--set", "run.steps=1", "--set", "rollout.prompts_per_step=2",
+            "--set", "rollout.num_generations=2", "--set", "rollout.max_new_tokens=8", "--set", "eval.limit=4",
+            "--set", "logging.progress=false"]
+    assert main(["train", *sets, "--set", "rewards=[{name: 'tests.user_rewards:ctrl_c'}]",
+                 "--set", "rewards.accuracy_component=null"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted during the evaluation before training" in err and "Traceback" not in err
+    assert main(["train", *sets]) == 0

@@ -1,5 +1,7 @@
 """Composite arithmetic and fault isolation for each failure kind; strict mode raises at once."""
 
+import time
+
 import pytest
 
 from rewards import CompositeReward, RewardFailure
@@ -41,6 +43,7 @@ def test_not_applicable_is_excluded_without_renormalising():
     ("raises", "RuntimeError: boom"),
     ("wrong_length", "returned 3 values for 2 completions"),
     ("not_a_number", "expected a number"),
+    ("exits", "called sys.exit(3)"),
 ])
 def test_batch_failures_are_recorded_not_raised(fn, message):
     res = run([{"name": "correctness", "weight": 1.0}, {"name": f"tests.user_rewards:{fn}", "weight": 1.0}])
@@ -49,6 +52,19 @@ def test_batch_failures_are_recorded_not_raised(fn, message):
     for rec in res.records:
         assert rec.components[name].raw is None and message in rec.components[name].error
     assert [r.total for r in res.records] == [1.0, 0.0]  # correctness still counts
+
+
+def test_every_value_trl_accepts_counts_and_what_it_refuses_is_named():
+    """bool (`[len(c) > 3 for c in completions]`), numpy scalars and one-element tensors are numbers, as in
+    TRL; an array of several values fails its completion, naming the value."""
+    res = run([{"name": "tests.user_rewards:long_enough"}], completions=["a", "abcd"])
+    assert [r.components["tests.user_rewards:long_enough"].raw for r in res.records] == [0.0, 1.0]
+    name = "tests.user_rewards:numpy_and_torch"
+    res = run([{"name": name, "weight": 2.0}], completions=list("abcde"))
+    comps = [r.components[name] for r in res.records]
+    assert [c.raw for c in comps] == [0.5, 2.0, 0.25, 1.5, None]
+    assert all(type(c.raw) is float for c in comps[:4]) and comps[1].weighted == 4.0
+    assert res.errors[name] == 1 and "returned ndarray" in comps[4].error and "expected a number" in comps[4].error
 
 
 def test_non_finite_values_fail_only_their_completion():
@@ -68,6 +84,49 @@ def test_timeout_is_recorded_and_the_next_call_works():
     assert res.records[0].total == 1.0
     again = comp(["Q"], [GOOD])  # a fresh worker serves the next batch
     assert again.records[0].components["format"].raw == 1.0
+
+
+def test_signal_based_reward_code_runs_and_the_time_limit_still_holds():
+    """Sync rewards run in the main thread, as TRL calls them: math_verify with its default timeouts works,
+    and a reward past rewards.timeout_s is still cut off there (and the next call runs)."""
+    comp = CompositeReward([{"name": "tests.user_rewards:openr1_accuracy"}])
+    res = comp(["Q", "Q"], ["so \\boxed{4}", "\\boxed{5}"], solution=["$4$", "$4$"])
+    assert [r.components["tests.user_rewards:openr1_accuracy"].raw for r in res.records] == [1.0, 0.0]
+    assert res.errors["tests.user_rewards:openr1_accuracy"] == 0
+    comp = CompositeReward([{"name": "tests.user_rewards:slow"}, {"name": "format"}], timeout_s=0.3)
+    t0 = time.perf_counter()
+    res = comp(["Q"], [GOOD])
+    assert time.perf_counter() - t0 < 1.5  # the 2 s sleep was interrupted, not waited for
+    assert "exceeded the 0.3 s time limit" in res.records[0].components["tests.user_rewards:slow"].error
+    assert res.records[0].components["format"].raw == 1.0
+
+
+def test_an_async_reward_keeps_one_event_loop_across_calls():
+    """An async judge with module-level loop-bound state works on every call, not only the first."""
+    comp = CompositeReward([{"name": "tests.user_rewards:async_judge"}])
+    for _ in range(3):
+        res = comp(["Q", "Q"], ["ab", "abcd"])
+        assert res.errors["tests.user_rewards:async_judge"] == 0, res.records[0].components
+        assert [r.total for r in res.records] == [2.0, 4.0]
+
+
+def test_a_reward_abandoned_past_its_time_limit_does_not_keep_the_process_from_exiting():
+    """The abandoned call still sleeps (Python cannot stop a thread), but the process ends when its work does:
+    no wait at interpreter exit for the worker (a finished run would hang and keep its folder locked)."""
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import ROOT
+
+    code = ("from rewards import CompositeReward\n"
+            "c = CompositeReward([{'name': 'tests.user_rewards:stuck'}], timeout_s=0.2)\n"
+            "r = c(['Q'], ['a'])\n"
+            "print(r.records[0].components['tests.user_rewards:stuck'].error)\n")
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0 and "time limit" in done.stdout, done.stderr[-1000:]
+    assert time.perf_counter() - t0 < 20  # the stuck call sleeps 60 s
 
 
 @pytest.mark.parametrize("fn", ["raises", "wrong_length", "not_finite", "not_a_number"])

@@ -86,6 +86,8 @@ BAD = [
     (["rollout.engine=vllm", "rollout.sharded_generation=true", "rollout.merge_adapter=false"],
      "rollout.engine vllm generates on whole weights", "vLLM with sharded generation"),
     (["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"], None, "vLLM settings with the vLLM engine"),
+    (["run.output_dir="], "'run.output_dir': must name a folder", "an empty output folder"),
+    (["run.output_dir=  "], "'run.output_dir': must name a folder", "a blank output folder"),
 ]
 
 

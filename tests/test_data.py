@@ -58,6 +58,17 @@ def test_bad_inputs_name_the_culprit(tmp_path):
         load_examples(str(tmp_path), "train", "q", "a")
 
 
+@pytest.mark.parametrize("suffix,line", [(".jsonl", 2), (".csv", 3)])
+def test_a_row_that_is_not_utf8_names_the_file_and_line(tmp_path, suffix, line):
+    p = tmp_path / f"latin1{suffix}"
+    head = b'{"question": "1 + 1?", "answer": "#### 2"}\n' if suffix == ".jsonl" else b"question,answer\n1 + 1?,2\n"
+    bad = b'{"question": "caf\xe9 costs 3", "answer": "#### 3"}\n' if suffix == ".jsonl" else b"caf\xe9 costs 3,3\n"
+    p.write_bytes(head + bad)
+    with pytest.raises(DataError, match=rf"latin1{suffix}: line {line} is not UTF-8 text \(byte b'\\xe9'") as e:
+        load_examples(str(p), "train", "question", "answer")
+    assert "\n" not in str(e.value)
+
+
 def test_gsm8k_helpers():
     assert gold_of("Natalia sold 48/2 = <<48/2=24>>24 clips.\n#### 72") == "72"
     assert gold_of("#### 1,234") == "1234"

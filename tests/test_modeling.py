@@ -274,3 +274,19 @@ def test_a_bad_model_path_is_one_line_naming_the_key(tmp_path):
         with pytest.raises(ModelError, match=r"model.name_or_path .* could not be loaded: tried a local folder") as e:
             load_model_and_tokenizer(name, device="cpu")
         assert "\n" not in str(e.value) and name in str(e.value)
+
+
+def test_lora_target_modules_that_match_nothing_are_one_line_listing_the_linear_layers():
+    from transformers import AutoModelForCausalLM
+
+    from docuchat_rl.config import LoraConfig
+    from docuchat_rl.errors import ModelError
+    from docuchat_rl.modeling import build_lora
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL)
+    with pytest.raises(ModelError, match=r"lora.target_modules \['qkv'\] matches no module of the model; its "
+                                         r"linear layers are: down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, "
+                                         r"v_proj") as e:
+        build_lora(model, LoraConfig(target_modules=["qkv"]))
+    assert "\n" not in str(e.value)
+

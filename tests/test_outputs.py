@@ -29,3 +29,19 @@ def test_overwrite_removes_only_run_outputs(tmp_path):
     _earlier_run(tmp_path)
     claim_output_dir(tmp_path, overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_empty_run_files_of_a_start_that_failed_do_not_block_the_next_start(tmp_path):
+    """A start that failed before step 1 leaves empty files (nothing to lose, nothing to resume): the corrected
+    re-run goes ahead and starts them afresh."""
+    for name in ("traces.jsonl", "metrics.jsonl", "eval.jsonl"):
+        (tmp_path / name).write_text("")
+    claim_output_dir(tmp_path, overwrite=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_without_a_checkpoint_is_not_offered_a_resume(tmp_path):
+    (tmp_path / "eval.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ValueError, match=r"\(eval\.jsonl\): it has no checkpoint to resume from: choose another") as e:
+        claim_output_dir(tmp_path, overwrite=False)
+    assert "--resume" not in str(e.value)

@@ -330,3 +330,17 @@ def test_a_users_reward_module_is_found_by_file_path_and_from_the_working_folder
         assert build_reward(name)(["Q", "Q"], ["short", "x" * 20]) == [-15, 0], name
     with pytest.raises(RewardError, match="cannot import reward 'nope.py:f': no file nope.py"):
         build_reward("nope.py:f")
+
+
+def test_a_reward_module_that_does_not_import_is_one_line_naming_the_file_and_line(tmp_path):
+    """A syntax error or an exception at import time in a user's reward file: a RewardError naming the reward
+    (and, for a syntax error, the file and line), which `train` and `config` print as one line."""
+    (tmp_path / "broken_syntax.py").write_text("def r(completions, **kw):\n    return [1.0 for c in completions\n")
+    (tmp_path / "broken_import.py").write_text("LIMIT = undefined_name + 1\n")
+    with pytest.raises(RewardError, match=r"broken_syntax.py:r': syntax error in .*broken_syntax.py line 2: "
+                                          r"'\[' was never closed") as e:
+        build_reward(f"{tmp_path}/broken_syntax.py:r")
+    assert "\n" not in str(e.value)
+    with pytest.raises(RewardError, match="importing it raised NameError: name 'undefined_name' is not defined"):
+        build_reward(f"{tmp_path}/broken_import.py:r")
+

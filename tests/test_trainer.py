@@ -390,16 +390,22 @@ def test_trls_trainer_state_log_extra_and_log_metric_reach_reward_functions(tmp_
 
 
 def test_a_reward_failing_everywhere_is_said_at_once_and_stops_the_run(tmp_path, capsys):
-    """A component failing on every completion prints one line naming it and its error; when no component
-    gives any completion a value for rewards.max_failed_steps steps, the run stops in one line."""
+    """A component failing on every completion prints one line naming it and its error, on a line of its own
+    with the progress bar drawn (not after the bar's text, where the next redraw hides it); when no
+    component gives any completion a value for rewards.max_failed_steps steps, the run stops in one line
+    naming the component."""
     t = Trainer(cfg_for(tmp_path, "run.steps=5", "rewards=[{name: 'tests.user_rewards:raises'}]",
-                        "rewards.accuracy_component=null", "rewards.max_failed_steps=2"))
-    with pytest.raises(TrainingError, match=r"2 steps in a row .*RuntimeError: boom") as e:
+                        "rewards.accuracy_component=null", "rewards.max_failed_steps=2", "logging.progress=true"))
+    with pytest.raises(TrainingError, match=r"2 steps in a row .*reward 'tests.user_rewards:raises': "
+                                            r"RuntimeError: boom") as e:
         t.train()
     t.close()
     assert "\n" not in str(e.value)
-    warned = [x for x in capsys.readouterr().err.splitlines() if "failed on all" in x]
-    assert len(warned) == 2 and "'tests.user_rewards:raises'" in warned[0] and "boom" in warned[0]
+    err = capsys.readouterr().err
+    assert "train:" in err  # the bar was drawn
+    warned = [x for x in err.replace("\r", "\n").splitlines() if "failed on all" in x]
+    assert len(warned) == 2 and all(x.startswith("docuchat-rl: warning: reward 'tests.user_rewards:raises' failed")
+                                    for x in warned) and "boom" in warned[0]
     assert [m["reward_missing"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [8, 8]  # both steps logged
 
 

@@ -131,6 +131,19 @@ def untimed(path):
 
 
 @needs_vllm
+def test_sampling_with_vllm_leaves_the_policy_in_eval_mode(tmp_path):
+    """The passes after a rollout (old log-probs, reference) run in eval mode, as after the fast engine:
+    with lora.dropout > 0 a policy left in train mode would score them with dropout noise."""
+    from docuchat_rl.trainer import Trainer
+
+    t = Trainer(cfg_for(tmp_path, "lora.dropout=0.1"))
+    t.learner.model.train()  # (as an update leaves it)
+    t.collector.sample(t.learner.model, [0, 1], seeds=list(range(8)))
+    assert not t.learner.model.training
+    t.close()
+
+
+@needs_vllm
 @pytest.mark.slow
 def test_a_vllm_run_matches_the_trainer_and_resumes_exactly(tmp_path):
     """Every step's sampler/trainer mismatch stays under 1e-4 after each weight sync, and a run stopped

@@ -88,3 +88,57 @@ def uses_trl_hooks(completions, trainer_state, log_extra, log_metric, **kwargs):
     log_metric("mean_chars", sum(len(c) for c in completions) / len(completions))
     log_metric("loss", -1.0)  # one of the trainer's own names: logged beside it, not over it
     return [float(trainer_state.global_step) + trainer_state.max_steps / 100 for _ in completions]
+
+
+def long_enough(prompts, completions, **kwargs):
+    """TRL's own style: a list of bools."""
+    return [len(c) > 3 for c in completions]
+
+
+def numpy_and_torch(prompts, completions, **kwargs):
+    """One value of each kind TRL's torch.tensor(..., float32) reads, then one it refuses (several values)."""
+    import numpy as np
+    import torch
+
+    return [np.float32(0.5), np.int64(2), torch.tensor(0.25), torch.tensor([1.5]), np.array([1.0, 2.0])]
+
+
+def exits(prompts, completions, **kwargs):
+    import sys
+
+    sys.exit(3)
+
+
+def stuck(prompts, completions, **kwargs):
+    time.sleep(60)
+    return [1.0] * len(completions)
+
+
+_JUDGE: dict = {}  # what an async judge keeps between calls: its client's loop-bound state
+
+
+async def async_judge(prompts, completions, **kwargs):
+    """Keeps a module-level asyncio.Queue (bound to the loop it is first used on, as an AsyncOpenAI or httpx
+    client is): a second call on another loop would fail "bound to a different event loop"."""
+    if "queue" not in _JUDGE:
+        _JUDGE["queue"] = asyncio.Queue()
+    queue = _JUDGE["queue"]
+    getter = asyncio.ensure_future(queue.get())  # waits on the queue: binds it to the running loop
+    await asyncio.sleep(0)
+    for c in completions:
+        queue.put_nowait(float(len(c)))
+    first = await getter
+    return [first] + [queue.get_nowait() for _ in completions[1:]]
+
+
+def ctrl_c(prompts, completions, **kwargs):
+    """What Ctrl-C does to whatever runs at that moment (here: the evaluation's scoring)."""
+    raise KeyboardInterrupt
+
+
+def openr1_accuracy(completions, solution, **kwargs):
+    """open-r1's accuracy reward as its users write it: math_verify's parse and verify with their default,
+    signal-based timeouts (which refuse to run outside the main thread)."""
+    from math_verify import parse, verify
+
+    return [float(verify(parse(sol), parse(c))) for c, sol in zip(completions, solution)]
