@@ -395,8 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "generate": cmd_generate,
                 "chat": cmd_chat, "export": cmd_export, "audit": cmd_audit,
                 "get-model": cmd_get_model}
+    finished = False  # (the command returned: its processes wait for each other before they leave the group)
     try:
-        return commands[args.command](args)
+        code = commands[args.command](args)
+        finished = True
+        return code
     except (ConfigError, DataError, AuditError, TrainingError, ModelError, CheckpointError, RewardError,
             FileNotFoundError, FileExistsError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
@@ -413,4 +416,4 @@ def main(argv: list[str] | None = None) -> int:
         if "torch.distributed" in sys.modules:  # (a command that never loaded torch started no processes)
             from .distributed import end_processes
 
-            end_processes()  # under a launcher: every process leaves the group before it exits
+            end_processes(together=finished)  # under a launcher: every process leaves the group before it exits

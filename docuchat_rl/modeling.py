@@ -248,6 +248,37 @@ def active_adapter(model, name: str, trainable: list[torch.nn.Parameter]):
             p.requires_grad_(True)
 
 
+def unmergeable(model) -> str | None:
+    """Why `merged_adapter` cannot fold this peft model's LoRA into its weights layer by layer (then it samples
+    unmerged), or None. Said as a phrase naming the layer: a LoRA on an embedding or another non-Linear
+    layer, DoRA, an adapter already merged by peft."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    for name, m in model.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        if type(m) is not LoraLinear:
+            return f"its LoRA layer {name} ({type(m).__name__}) is not a linear one"
+        if any(m.use_dora.values()):
+            return f"its LoRA layer {name} uses DoRA"
+        if m.merged:
+            return f"its LoRA layer {name} is already merged by peft"
+    return None
+
+
+def tied_head_adapted(model) -> str | None:
+    """The name of a LoRA-adapted output head whose weight is the input embedding's (tied), or None: a merged
+    copy of such a model loses the head's delta wherever the tie is restored from the embedding (vLLM)."""
+    from peft.tuners.lora import LoraLayer
+
+    embed = model.get_input_embeddings()
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer) and getattr(m.get_base_layer(), "weight", None) is getattr(embed, "weight", 0):
+            return name
+    return None
+
+
 @contextlib.contextmanager
 def merged_adapter(model):
     """Run the block with each LoRA delta folded into its base weight, then restore the originals exactly.
@@ -262,13 +293,10 @@ def merged_adapter(model):
     base layers for the block, so the forward runs no peft code at all. Models that are not peft models,
     adapters that peft does not merge linearly (DoRA) and non-Linear LoRA layers run unmerged.
     """
-    from peft.tuners.lora import Linear as LoraLinear
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    mergeable = (hasattr(model, "disable_adapter") and layers
-                 and all(type(m) is LoraLinear and not m.merged and not any(m.use_dora.values()) for m in layers))
-    if not mergeable:
+    if not hasattr(model, "disable_adapter") or not layers or unmergeable(model) is not None:
         yield model
         return
     swapped, bypassed = [], []

@@ -29,10 +29,11 @@ from .config import Config
 from .data import DataError, Example, PromptSampler, load_split, render_prompt
 from .distributed import (Dist, Sharding, ShardingError, held_bytes, on_cpu, shard_layers, sharding_from_launcher,
                           without_fsdp_env)
-from .errors import CheckpointWarning, TrainingError
+from .errors import CheckpointWarning, ModelError, TrainingError
 from .fused_lora import fuse_lora
 from .learner import Learner
-from .modeling import add_critic_adapter, build_lora, disable_dropout, load_model_and_tokenizer
+from .modeling import (add_critic_adapter, build_lora, disable_dropout, load_model_and_tokenizer, tied_head_adapted,
+                       unmergeable)
 from .outputs import JsonlWriter, RunLock, check_writable, claim_output_dir
 from .rollout import Collector
 from .scoring import build_reward
@@ -238,6 +239,12 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         if place.sharding is not None:
             raise TrainingError("rollout.engine vllm loads the whole model in each process: it cannot run with "
                                 "FSDP2 sharding (use accelerate's data-parallel launch, or the fast engine)")
+        why = unmergeable(model) or (f"its output head {tied_head_adapted(model)} shares the input embedding's "
+                                     "weight (tied), which vLLM restores from the embedding"
+                                     if tied_head_adapted(model) else None)
+        if why:  # (the sync would send the base weights: vLLM would sample the untrained model, silently)
+            raise ModelError(f"rollout.engine vllm samples the policy with its LoRA merged into the weights, and "
+                             f"{why}: take that layer out of lora.target_modules, or use rollout.engine fast")
         from .vllm_engine import VLLMEngine
 
         vllm = VLLMEngine(cfg, model, tokenizer, cfg.data.max_prompt_tokens, processes=dist.world)

@@ -37,6 +37,24 @@ def test_without_vllm_the_engine_is_refused_with_the_install_line(tmp_path):
         Trainer(cfg_for(tmp_path))
 
 
+@pytest.mark.parametrize("targets,message", [
+    (["q_proj", "embed_tokens"], r"its LoRA layer .*embed_tokens \(Embedding\) is not a linear one"),
+    (["q_proj", "lm_head"], r"its output head .*lm_head shares the input embedding's weight \(tied\), which vLLM restores from "
+                                  r"the embedding"),
+])
+def test_an_adapter_vllm_would_not_receive_is_refused_in_one_line(tmp_path, targets, message):
+    """The sync sends the policy merged into the weights: a LoRA on an embedding cannot be merged layer by
+    layer, and a tied head's delta is lost where vLLM ties the head back to the embedding. Either would
+    leave vLLM sampling the untrained model: refused at start, before vLLM loads (so in both environments)."""
+    from docuchat_rl.errors import ModelError
+    from docuchat_rl.trainer import Trainer
+
+    with pytest.raises(ModelError, match=rf"rollout.engine vllm samples the policy with its LoRA merged.*{message}: "
+                                         r"take that layer out of lora.target_modules") as e:
+        Trainer(cfg_for(tmp_path, f"lora.target_modules={json.dumps(targets)}"))
+    assert "\n" not in str(e.value)
+
+
 @pytest.fixture(scope="module")
 def engine():
     """One engine on the committed model with a LoRA adapter whose deltas are non-zero, synced."""
