@@ -232,6 +232,8 @@ class OptimConfig(Section):
     """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (CPU-measured only)."""
     length_buckets: int | Literal["auto"] = Field(AUTO)
     """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; 1: one forward; off under FSDP2); auto: 4 on CPUs, 1 on GPUs (CPU-measured only)."""
+    logit_chunk: int | None = Field(None, ge=0)
+    """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 1024 when the vocabulary exceeds 32k tokens, else off)."""
 
     @field_validator("length_buckets")
     @classmethod
@@ -239,8 +241,6 @@ class OptimConfig(Section):
         if v != AUTO and v < 1:
             raise ValueError("must be at least 1 (or auto)")
         return v
-    logit_chunk: int | None = Field(None, ge=0)
-    """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 1024 when the vocabulary exceeds 32k tokens, else off)."""
 
 
 class CheckpointConfig(Section):
@@ -289,6 +289,12 @@ class RunConfig(Section):
     """Where checkpoints, metrics.jsonl and traces.jsonl go (a folder of their own, never empty: '' would be the working folder)."""
     steps: int = Field(200, ge=1)
     """Training steps (one rollout + its updates each)."""
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    threads: int | None = Field(None, ge=1)
+    """Torch CPU threads (null: torch's default)."""
+    overwrite: bool = False
+    """A fresh run (no --resume) replaces an earlier run's outputs in output_dir (else that is an error)."""
 
     @field_validator("output_dir")
     @classmethod
@@ -296,12 +302,6 @@ class RunConfig(Section):
         if not v.strip():
             raise ValueError("must name a folder (empty would write the run into the working folder)")
         return v
-    seed: int = 0
-    """Seed for data order, sampling and initialisation."""
-    threads: int | None = Field(None, ge=1)
-    """Torch CPU threads (null: torch's default)."""
-    overwrite: bool = False
-    """A fresh run (no --resume) replaces an earlier run's outputs in output_dir (else that is an error)."""
 
 
 class Config(Section):

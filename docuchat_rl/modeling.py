@@ -147,19 +147,24 @@ def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str
                              trust_remote_code: bool = False, revision: str | None = None):
     """(model on the device in the chosen dtype, tokenizer with a pad token); a load failure is one line
     naming the key."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     dev = pick_device(device)
     mixed = dtype != "base" and resolve_dtype(dtype, dev) == MIXED
     if is_gguf(name_or_path):  # a llama.cpp file: dequantized into a plain model (gguf.py)
-        dtype_ = pick_dtype(dtype, dev)
-        model, tok = load_gguf(Path(name_or_path).expanduser(), None if dtype_ == "auto" else dtype_)
-        if tok.pad_token is None:
-            tok.pad_token = tok.eos_token
-        return (enable_mixed(model) if mixed else model).to(dev), tok
+        model, tok = load_gguf(Path(name_or_path).expanduser(), pick_dtype(dtype, dev))
+    else:
+        model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return (enable_mixed(model) if mixed else model).to(dev), tok
+
+
+def _from_pretrained(name_or_path: str, dtype, revision: str | None, trust_remote_code: bool):
+    """(model, tokenizer) by local path or hub id; a failure is one line saying what was tried."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=pick_dtype(dtype, dev),
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
                                                      trust_remote_code=trust_remote_code, revision=revision)
     except (OSError, ValueError) as e:  # transformers reports a missing folder as a ~70-line hub error
         tried = ("a local folder that does not exist" if _looks_local(name_or_path)
@@ -170,9 +175,7 @@ def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str
                 else "")
         raise ModelError(f"model.name_or_path {name_or_path!r} could not be loaded: tried {tried}: "
                          f"{first[:200]}{hint}") from None
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return (enable_mixed(model) if mixed else model).to(dev), tok
+    return model, tok
 
 
 def _looks_local(name: str) -> bool:

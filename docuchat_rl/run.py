@@ -239,9 +239,9 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         if place.sharding is not None:
             raise TrainingError("rollout.engine vllm loads the whole model in each process: it cannot run with "
                                 "FSDP2 sharding (use accelerate's data-parallel launch, or the fast engine)")
-        why = unmergeable(model) or (f"its output head {tied_head_adapted(model)} shares the input embedding's "
-                                     "weight (tied), which vLLM restores from the embedding"
-                                     if tied_head_adapted(model) else None)
+        tied = tied_head_adapted(model)
+        why = unmergeable(model) or (f"its output head {tied} shares the input embedding's weight (tied), which "
+                                     "vLLM restores from the embedding" if tied else None)
         if why:  # (the sync would send the base weights: vLLM would sample the untrained model, silently)
             raise ModelError(f"rollout.engine vllm samples the policy with its LoRA merged into the weights, and "
                              f"{why}: take that layer out of lora.target_modules, or use rollout.engine fast")

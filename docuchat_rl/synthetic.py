@@ -43,17 +43,7 @@ class Problem:
         return {"question": self.question, "answer": self.answer}
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """How large a problem's numbers get: the starting amount, an added or subtracted amount, and the
-    value above which the next operation shrinks it (multipliers stay 2-5, divisors 2-9)."""
-
-    start: int = 30
-    operand: int = 20
-    cap: int = 60
-
-
-def _next_op(rng: random.Random, value: int, sizes: Sizes = Sizes()) -> tuple[str, int]:
+def _next_op(rng: random.Random, value: int) -> tuple[str, int]:
     """Pick an operation and operand that keep the value a small non-negative integer."""
     choices = ["+", "*"]
     if value > 1:
@@ -61,15 +51,15 @@ def _next_op(rng: random.Random, value: int, sizes: Sizes = Sizes()) -> tuple[st
     divisors = [d for d in range(2, 10) if value % d == 0 and value // d >= 1]
     if divisors:
         choices.append("/")
-    if value > sizes.cap:  # keep numbers small: shrink rather than grow
+    if value > 60:  # keep numbers small: shrink rather than grow
         choices = [c for c in choices if c in "-/"] or ["-"]
     op = rng.choice(choices)
     if op == "+":
-        return op, rng.randint(1, sizes.operand)
+        return op, rng.randint(1, 20)
     if op == "-":
-        return op, rng.randint(1, min(value - 1, sizes.operand))
+        return op, rng.randint(1, min(value - 1, 20))
     if op == "*":
-        return op, rng.randint(2, 5 if value <= sizes.cap // 3 else 3)
+        return op, rng.randint(2, 5 if value <= 20 else 3)
     return op, rng.choice(divisors)
 
 
@@ -77,15 +67,15 @@ def _apply(op: str, a: int, b: int) -> int:
     return {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
 
 
-def make_problem(rng: random.Random, ops: tuple[int, int] = (2, 4), sizes: Sizes = Sizes()) -> Problem:
-    """A random word problem of ops[0]-ops[1] operations on numbers of `sizes`, drawn from `rng`."""
+def make_problem(rng: random.Random, ops: tuple[int, int] = (2, 4)) -> Problem:
+    """A random word problem of ops[0]-ops[1] operations (2-4: the embedded default task), drawn from `rng`."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     n_ops = rng.randint(*ops)
-    value = rng.randint(2, sizes.start)
+    value = rng.randint(2, 30)
     sentences = [f"{name} has {value} {item}."]
     steps = []
     for _ in range(n_ops):
-        op, n = _next_op(rng, value, sizes)
+        op, n = _next_op(rng, value)
         new = _apply(op, value, n)
         sentences.append(rng.choice(PHRASES[op]).format(name=name, n=n, x=item))
         steps.append(f"{value} {op} {n} = <<{value}{op}{n}={new}>>{new}")
@@ -95,14 +85,13 @@ def make_problem(rng: random.Random, ops: tuple[int, int] = (2, 4), sizes: Sizes
     return Problem(question=" ".join(sentences), answer=answer, value=value)
 
 
-def make_split(seed: int, n: int, exclude: set[str] | None = None, ops: tuple[int, int] = (2, 4),
-               sizes: Sizes = Sizes()) -> list[Problem]:
+def make_split(seed: int, n: int, exclude: set[str] | None = None, ops: tuple[int, int] = (2, 4)) -> list[Problem]:
     """`n` distinct problems from `seed` (see make_problem), none of whose questions is in `exclude`."""
     rng = random.Random(seed)
     seen = set(exclude or ())
     out: list[Problem] = []
     while len(out) < n:
-        p = make_problem(rng, ops, sizes)
+        p = make_problem(rng, ops)
         if p.question in seen:
             continue
         seen.add(p.question)
@@ -110,11 +99,11 @@ def make_split(seed: int, n: int, exclude: set[str] | None = None, ops: tuple[in
     return out
 
 
-def make_task(seed: int = 1234, n_train: int = 6000, n_test: int = 500, ops: tuple[int, int] = (2, 4),
-              sizes: Sizes = Sizes()) -> dict[str, list[Problem]]:
+def make_task(seed: int = 1234, n_train: int = 6000, n_test: int = 500,
+              ops: tuple[int, int] = (2, 4)) -> dict[str, list[Problem]]:
     """Disjoint train and test splits; the test split is drawn first so its size never shifts it."""
-    test = make_split(seed + 1, n_test, ops=ops, sizes=sizes)
-    train = make_split(seed, n_train, exclude={p.question for p in test}, ops=ops, sizes=sizes)
+    test = make_split(seed + 1, n_test, ops=ops)
+    train = make_split(seed, n_train, exclude={p.question for p in test}, ops=ops)
     return {"train": train, "test": test}
 
 

@@ -120,7 +120,12 @@ class FunctionReward(Reward):
         values = self.fn(**kwargs)
         if inspect.isawaitable(values):  # on the run's one event loop (as TRL), so an async client, semaphore or
             # session a reward module keeps between calls stays on the loop it was made on
-            values = asyncio.run_coroutine_threadsafe(_awaited(values), _event_loop()).result()
+            future = asyncio.run_coroutine_threadsafe(_awaited(values), _event_loop())
+            try:
+                values = future.result()
+            except BaseException:  # (interrupted at the time limit, or Ctrl-C: the coroutine stops too)
+                future.cancel()
+                raise
         if not isinstance(values, (list, tuple)):
             raise RewardError(f"reward {self.name!r} returned {type(values).__name__}, expected a list")
         return [Score(v) for v in values]

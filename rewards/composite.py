@@ -189,7 +189,7 @@ class CompositeReward:
         if len(set(names)) != len(names):
             raise RewardError(f"a reward is listed twice: {names}")
         self.strict, self.timeout_s = strict, timeout_s
-        self._worker = _Worker()
+        self._worker: _Worker | None = None  # made on the first call from a thread other than the main one
 
     @property
     def names(self) -> list[str]:
@@ -205,13 +205,14 @@ class CompositeReward:
             with _main_thread_deadline(self.timeout_s):
                 scores = reward.explain(prompts, completions, **columns)
         else:
+            self._worker = self._worker or _Worker()
             future = self._worker.submit(reward.explain, prompts, completions, **columns)
             try:
                 scores = future.result(timeout=self.timeout_s)
             except FutureTimeout:
                 # abandon the stuck worker; a fresh one serves the next calls
                 self._worker.abandon()
-                self._worker = _Worker()
+                self._worker = None
                 raise TimeoutError(f"exceeded the {self.timeout_s:g} s time limit") from None
         if not isinstance(scores, (list, tuple)):
             raise TypeError(f"returned {type(scores).__name__}, expected a list")

@@ -224,6 +224,15 @@ def spawn(side: str, a, **changes) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def median_run(rs: list[dict]) -> dict:
+    """Of repeated runs of one variant: the run closest to the median time per step (its phases, tokens/s
+    and RSS), with the median itself, the spread and every run's time."""
+    times = [r["seconds_per_step"] for r in rs]
+    mid = statistics.median(times)
+    return {**min(rs, key=lambda r: abs(r["seconds_per_step"] - mid)), "seconds_per_step": mid,
+            "spread": [min(times), max(times)], "runs": times}
+
+
 def compare(a, **changes) -> dict:
     """Each side `a.repeats` times, interleaved; per side the run closest to the median of its time per
     step (its phases, tokens/s and RSS), the median and spread of the times, and the ratios."""
@@ -232,12 +241,7 @@ def compare(a, **changes) -> dict:
     for i in range(a.repeats):
         for side in (sides if i % 2 == 0 else sides[::-1]):  # alternate who goes first
             runs[side].append(spawn(side, a, **changes))
-    result: dict = {}
-    for side, rs in runs.items():
-        times = [r["seconds_per_step"] for r in rs]
-        mid = statistics.median(times)
-        result[side] = {**min(rs, key=lambda r: abs(r["seconds_per_step"] - mid)), "seconds_per_step": mid,
-                        "spread": [min(times), max(times)], "runs": times}
+    result: dict = {side: median_run(rs) for side, rs in runs.items()}
     if len(result) == 2:
         o, t = result["ours"], result["trl"]
         paired = [x / y for x, y in zip(o["runs"], t["runs"])]
@@ -263,13 +267,7 @@ def switches(a) -> dict:
     for i in range(a.repeats):
         for name, extra in (variants if i % 2 == 0 else variants[::-1]):
             runs[name].append(spawn("ours", a, overrides=[*a.overrides, *extra]))
-    out = {}
-    for name, rs in runs.items():
-        times = [r["seconds_per_step"] for r in rs]
-        mid = statistics.median(times)
-        out[name] = {**min(rs, key=lambda r: abs(r["seconds_per_step"] - mid)), "seconds_per_step": mid,
-                     "spread": [min(times), max(times)]}
-    return out
+    return {name: median_run(rs) for name, rs in runs.items()}
 
 
 def print_switches(title: str, result: dict) -> None:

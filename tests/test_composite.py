@@ -119,14 +119,30 @@ def test_a_reward_abandoned_past_its_time_limit_does_not_keep_the_process_from_e
 
     from .conftest import ROOT
 
-    code = ("from rewards import CompositeReward\n"
+    code = ("import threading\n"
+            "from rewards import CompositeReward\n"
             "c = CompositeReward([{'name': 'tests.user_rewards:stuck'}], timeout_s=0.2)\n"
-            "r = c(['Q'], ['a'])\n"
-            "print(r.records[0].components['tests.user_rewards:stuck'].error)\n")
+            "out = [c(['Q'], ['a'])]  # in the main thread: interrupted at the limit\n"
+            "t = threading.Thread(target=lambda: out.append(c(['Q'], ['a'])))  # elsewhere: a worker, abandoned\n"
+            "t.start(); t.join()\n"
+            "for r in out: print(r.records[0].components['tests.user_rewards:stuck'].error)\n")
     t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
-    assert done.returncode == 0 and "time limit" in done.stdout, done.stderr[-1000:]
-    assert time.perf_counter() - t0 < 20  # the stuck call sleeps 60 s
+    assert done.returncode == 0 and done.stdout.count("exceeded the 0.2 s time limit") == 2, done.stderr[-1000:]
+    assert time.perf_counter() - t0 < 20  # the stuck calls sleep 60 s
+
+
+def test_an_async_reward_past_its_time_limit_is_cancelled_not_left_running():
+    from tests import user_rewards
+
+    comp = CompositeReward([{"name": "tests.user_rewards:async_stuck"}], timeout_s=0.3)
+    res = comp(["Q", "Q"], ["a", "b"])
+    assert "time limit" in res.records[0].components["tests.user_rewards:async_stuck"].error
+    for _ in range(50):  # (the cancellation runs on the event loop's thread)
+        if user_rewards.CANCELLED:
+            break
+        time.sleep(0.02)
+    assert user_rewards.CANCELLED == [2]
 
 
 @pytest.mark.parametrize("fn", ["raises", "wrong_length", "not_finite", "not_a_number"])

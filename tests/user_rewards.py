@@ -142,3 +142,15 @@ def openr1_accuracy(completions, solution, **kwargs):
     from math_verify import parse, verify
 
     return [float(verify(parse(sol), parse(c))) for c, sol in zip(completions, solution)]
+
+
+CANCELLED: list = []  # async_stuck's calls that were cancelled
+
+
+async def async_stuck(prompts, completions, **kwargs):
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        CANCELLED.append(len(completions))
+        raise
+    return [1.0] * len(completions)
