@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .outputs import read_jsonl
 from .traces import columns
 
 BASE_COLUMNS = columns()  # trace field -> DuckDB type, from the one trace definition
@@ -50,19 +51,13 @@ def trace_files(path: str | Path) -> list[Path]:
 
 def eval_records(sources: list[str | Path]) -> list[dict]:
     """The held-out evaluations (`eval.jsonl`) beside the given runs' traces, in file order; lines that
-    do not parse are skipped (a run killed mid-write)."""
+    do not parse, or lack their step, are skipped (a run killed mid-write)."""
     out = []
     for src in sources:
         p = Path(src)
         path = (p if p.is_dir() else p.parent) / "eval.jsonl"
         if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                    out.append(rec)
+            out += [rec for rec in read_jsonl(path) if isinstance(rec.get("step"), int)]
     return out
 
 

@@ -182,24 +182,67 @@ def resolve_resume(path: str, out_dir: Path) -> Path:
     raise CheckpointError(f"no intact checkpoint to resume in {p}: " + ("; ".join(problems) or "none there"))
 
 
-RESUME_KEYS = ("model.name_or_path", "model.revision", "lora.r", "lora.alpha", "lora.target_modules",
-               "algorithm.name", "algorithm.critic_backbone")  # what the saved weights and optimizer state fit
+def resolve_adapter(path: str | Path) -> Path:
+    """What `--adapter` names: a checkpoint folder; a run folder or its `latest` pointer (what `train`
+    prints) is its newest intact checkpoint."""
+    p = Path(path)
+    if (p / "adapter_config.json").exists():
+        return p
+    if p.name == LATEST and p.is_file():
+        p = p.parent
+    if p.is_dir() and ((p / LATEST).exists() or list_checkpoints(p)):
+        return resolve_resume(str(p), p)
+    raise FileNotFoundError(f"--adapter {path}: no adapter_config.json there (give a checkpoint folder, a run "
+                            "folder or its latest)")
 
 
-def check_resumable(folder: Path, config: dict) -> None:
-    """Refuse (one line) to resume `folder` under a config whose model, adapter or algorithm differs from the
-    one it was trained with: the adapter and optimizer state would not fit the new model."""
+# One rule for a config that differs from the checkpoint's on resume: a key that only says how the run is
+# watched, stored, timed or computed at the same results (performance switches that keep the gradients) is
+# applied and said; every other key changes what the resumed steps compute, which an exact resume and the
+# checkpoint's run_config.json (the recipe of record) cannot both honour: refused, naming the key.
+RESUME_APPLIED = ("run.output_dir", "run.threads", "run.overwrite", "model.device", "model.gradient_checkpointing",
+                  "lora.fused", "rollout.generation_batch_size", "rollout.engine", "rollout.grouped_decode",
+                  "rollout.merge_adapter", "rollout.vllm", "optim.micro_batch_size", "optim.share_prompt",
+                  "optim.length_buckets", "optim.logit_chunk", "optim.max_nonfinite_steps", "rewards.timeout_s",
+                  "rewards.strict", "rewards.max_failed_steps", "rewards.accuracy_component", "checkpoint",
+                  "logging", "eval")
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _applies(key: str, config: dict) -> bool:  # (config flattened)
+    """True for a key the resume rule applies (see RESUME_APPLIED); run.steps too under a constant schedule
+    (a run may be lengthened; under linear/cosine the schedule's length would change mid-run)."""
+    if key == "run.steps":
+        return config.get("optim.schedule") == "constant"
+    return any(key == a or key.startswith(a + ".") for a in RESUME_APPLIED)
+
+
+def check_resumable(folder: Path, config: dict) -> list[str]:
+    """Compare `config` with the one `folder` was trained with: refuse (one line naming every such key with both
+    values) a change to what the resumed steps compute; return the applied changes as `key: old -> new`."""
     path = Path(folder) / "run_config.json"
     if not path.exists():
-        return
-    saved = json.loads(path.read_text())["config"]
-    for key in RESUME_KEYS:
-        section, name = key.split(".")
-        was, now = saved.get(section, {}).get(name), config.get(section, {}).get(name)
-        if was != now:
-            raise CheckpointError(f"{Path(folder).name} was trained with {key}={was!r}, the config says {now!r}: "
-                                  f"resume with the checkpoint's {key}, or start a new run in another "
-                                  "run.output_dir")
+        return []
+    saved = _flat(json.loads(path.read_text())["config"])
+    now = _flat(json.loads(json.dumps(config)))  # (tuples as the saved JSON's lists)
+    changed = [k for k in now if k in saved and saved[k] != now[k]
+               and not (isinstance(now[k], str) and now[k] == "auto")]  # (auto: decided for the device later)
+    refused = [f"{k}={saved[k]!r} -> {now[k]!r}" for k in changed if not _applies(k, now)]
+    if refused:
+        raise CheckpointError(f"{Path(folder).name} was trained with a different recipe: {'; '.join(refused)}. "
+                              "Resuming exactly needs the checkpoint's values (change only logging, checkpoint, "
+                              "eval, timeouts, speed switches or, under a constant schedule, run.steps), or "
+                              "start a new run in another run.output_dir")
+    return [f"{k}: {saved[k]!r} -> {now[k]!r}" for k in changed]
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -19,6 +19,24 @@ import warnings
 from pathlib import Path
 
 
+def _number(kind, low, high=None, low_open=False):
+    """An argparse type: `kind` within [low, high] (low excluded when `low_open`), else one usage line
+    naming the range (argparse adds the flag)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if v != v or (v <= low if low_open else v < low) or (high is not None and v > high):
+            bound = f"above {low}" if low_open else f"at least {low}"
+            raise argparse.ArgumentTypeError(f"{text} must be {bound}" + (f" and at most {high}" if high is not None else ""))
+        return v
+    return parse
+
+
+COUNT, NON_NEGATIVE = _number(int, 1), _number(int, 0)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults = config/default.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -27,9 +45,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", action="store_true", help="sample with rollout.temperature/top_p/top_k (default greedy)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (implies --sample)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus mass (implies --sample)")
-    p.add_argument("--top-k", type=int, default=None, help="top-k (implies --sample)")
+    p.add_argument("--temperature", type=_number(float, 0, low_open=True), default=None,
+                   help="sampling temperature (implies --sample)")
+    p.add_argument("--top-p", type=_number(float, 0, 1, low_open=True), default=None,
+                   help="nucleus mass (implies --sample)")
+    p.add_argument("--top-k", type=NON_NEGATIVE, default=None, help="top-k, 0 = off (implies --sample)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -40,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a LoRA adapter with RL; evaluates before and after")
     _common(t)
     t.add_argument("--resume", default=None, help="'latest', a run folder or a checkpoint folder")
-    t.add_argument("--stop-after", type=int, default=None, metavar="STEP",
+    t.add_argument("--stop-after", type=COUNT, default=None, metavar="STEP",
                    help="stop after this step with a checkpoint (the schedule still spans run.steps); "
                    "go on later with --resume latest")
     e = sub.add_parser("eval", help="greedy accuracy, pass@k and reward means on the held-out set")
@@ -58,17 +78,17 @@ def parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="a question (repeatable)")
     src.add_argument("--file", help="a .jsonl (prompt column, answer column if any) or .txt file of prompts")
-    src.add_argument("--held-out", type=int, metavar="N", help="the first N rows of data.test (with gold answers)")
-    g.add_argument("--n", type=int, default=1, help="completions per prompt (more than 1 samples)")
+    src.add_argument("--held-out", type=COUNT, metavar="N", help="the first N rows of data.test (with gold answers)")
+    g.add_argument("--n", type=COUNT, default=1, help="completions per prompt (more than 1 samples)")
     _sampling_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=None, help="default: eval.max_new_tokens or rollout's")
+    g.add_argument("--max-new-tokens", type=COUNT, default=None, help="default: eval.max_new_tokens or rollout's")
     g.add_argument("--score", action="store_true", help="score each completion with the configured rewards")
     g.add_argument("--json", action="store_true", help="one JSON record per completion, one per line")
     ch = sub.add_parser("chat", help="an interactive multi-turn chat with the base model or a checkpoint")
     _common(ch)
     ch.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter)")
     _sampling_args(ch)
-    ch.add_argument("--max-new-tokens", type=int, default=256)
+    ch.add_argument("--max-new-tokens", type=COUNT, default=256)
     x = sub.add_parser("export", help="merge a checkpoint's adapter into the base model: a standalone HF folder")
     _common(x)
     x.add_argument("--adapter", required=True, help="the checkpoint folder to merge")
@@ -82,10 +102,10 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("runs", nargs="*", help="run folders or trace files (several are read together)")
     a.add_argument("--where", help="SQL filter, e.g. \"advantage > 1 and step >= 100\"")
     a.add_argument("--sort", help="SQL order, e.g. \"total desc\"")
-    a.add_argument("--limit", type=int, default=None, help="most records shown/exported (default 10 shown)")
+    a.add_argument("--limit", type=NON_NEGATIVE, default=None, help="most records shown/exported (default 10 shown)")
     a.add_argument("--export", help="write the selection to a .jsonl or .csv file")
     a.add_argument("--html", help="write a self-contained HTML report here")
-    a.add_argument("--bins", type=int, default=5, help="step ranges in the summary and detectors")
+    a.add_argument("--bins", type=COUNT, default=5, help="step ranges in the summary and detectors")
     a.add_argument("--accuracy", default="correctness", help="component used as accuracy")
     a.add_argument("--compare", nargs=2, metavar=("A", "B"),
                    help="two selections RUN[@STEP[-STEP]]: prompts that flipped correct<->wrong")
@@ -136,6 +156,13 @@ def cmd_train(args, on_phase=None) -> int:
         if trainer.is_main:
             print(f"docuchat-rl: {p}; resume with: {shlex.join(_resume_command(args))}", file=sys.stderr, flush=True)
         return 128 + p.signal_number
+    except KeyboardInterrupt:  # a second signal while stopping (Preemption): at once, between checkpoints
+        if trainer.is_main:
+            latest = Path(cfg.run.output_dir) / "latest"
+            last = (f"the last checkpoint ({latest.read_text().strip()}) is intact; resume with: "
+                    f"{shlex.join(_resume_command(args))}" if latest.exists() else "no checkpoint was written yet")
+            print(f"docuchat-rl: stopped at once by a second signal; {last}", file=sys.stderr, flush=True)
+        return 130
     finally:
         trainer.close()
     if trainer.step < cfg.run.steps:  # --stop-after: no "after" evaluation of an unfinished run
@@ -273,6 +300,10 @@ def cmd_chat(args) -> int:
     """A multi-turn conversation with the base model or a checkpoint on the console."""
     from .inference import chat, load_policy
 
+    if sys.stdin is None or sys.stdin.closed:  # (input() would fail with "lost sys.stdin" after loading)
+        print("docuchat-rl: error: chat reads your messages from standard input, which is closed: run it in a "
+              "terminal or pipe the messages in (generate --prompt answers without one)", file=sys.stderr)
+        return 2
     cfg = _config_for(args)
     model, tok = load_policy(cfg, args.adapter)
     s = _sampling(args, cfg)
@@ -397,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
                 "get-model": cmd_get_model}
     finished = False  # (the command returned: its processes wait for each other before they leave the group)
     try:
+        if getattr(args, "adapter", None):  # a run folder or its `latest`: the newest intact checkpoint
+            from .checkpoint import resolve_adapter
+
+            args.adapter = str(resolve_adapter(args.adapter))
         code = commands[args.command](args)
         finished = True
         return code

@@ -127,9 +127,9 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0)
     """Sampling temperature."""
     top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling mass (1 = off)."""
+    """Nucleus sampling mass (1 = off); the trainer scores the same truncated distribution."""
     top_k: int = Field(0, ge=0)
-    """Top-k sampling (0 = off)."""
+    """Top-k sampling (0 = off); the trainer scores the same truncated distribution."""
     generation_batch_size: int = Field(64, ge=1)
     """Most completion rows per generate call (memory bound); a step uses ceil(P*G / this) calls."""
     dynamic_sampling: bool = False

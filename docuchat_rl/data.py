@@ -100,10 +100,15 @@ def load_table(source: str, split: str, revision: str | None = None, subset: str
             raise DataError(f"data file is empty: {source}")
         if fmt != "parquet":
             _check_utf8(path)
+        bars = datasets.utils.logging.is_progress_bar_enabled()
+        datasets.utils.logging.disable_progress_bar()  # (a bar per local file read is noise on the terminal)
         try:
             table = datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as e:  # datasets wraps parser errors in many types
             raise DataError(f"could not read {source} as {fmt}: {e}") from e
+        finally:
+            if bars:
+                datasets.utils.logging.enable_progress_bar()
     else:
         try:
             table = datasets.load_dataset(source, subset, revision=revision, split=split)
@@ -131,7 +136,11 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
         messages = _messages(q, f"{source}: row {i} column {prompt_column!r}") if isinstance(q, list) else None
         if messages is not None:
             q = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
-        if q is None or not str(q).strip():
+        if q is not None and not isinstance(q, str):  # (a number would train on prompts like "1035")
+            raise DataError(f"{source}: row {i} column {prompt_column!r} (data.prompt_column) holds "
+                            f"{type(q).__name__} {str(q)[:40]!r}, not text or a list of messages: is it the "
+                            "right column?")
+        if q is None or not q.strip():
             raise DataError(f"{source}: row {i} has an empty {prompt_column!r}")
         a = "" if a is None else str(a)
         extra = {k: v for k, v in row.items() if k != prompt_column}  # (the answer column under its own name

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .batch import Batch
-from .losses import chunked_token_stats, token_entropy, token_logprobs
+from .losses import FILTERED, chunked_token_stats, dropped, kept_floor, token_entropy, token_logprobs
 from .modeling import base_model, in_compute_context
 
 
@@ -241,12 +241,19 @@ def _plain_forward(model, batch: Batch) -> torch.Tensor:
 
 
 def _token_stats(head, hidden: torch.Tensor, ids: torch.Tensor, temperature: float, logit_chunk: int,
-                 with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log-probs [R, T], entropy [R, T] or None) of `ids` [R, T] from the hidden states [R, T, H]."""
+                 with_entropy: bool, entropy_grad: bool, top_k: int = 0,
+                 top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-probs [R, T], entropy [R, T] or None) of `ids` [R, T] from the hidden states [R, T, H], under the
+    sampler's temperature and top-k / top-p truncation (`losses.kept_floor`)."""
     if logit_chunk > 0:
-        return chunked_token_stats(head, hidden, ids, temperature, logit_chunk, with_entropy, entropy_grad)
+        return chunked_token_stats(head, hidden, ids, temperature, logit_chunk, with_entropy, entropy_grad,
+                                   top_k, top_p)
     # the sampler divides float32 logits by the temperature: so does the trainer (bf16 division is off by ~0.01)
     logits = head(hidden).float() / temperature  # [R, T, V]
+    floor = kept_floor(logits.detach().flatten(0, 1), top_k, top_p)  # [R*T] or None
+    if floor is not None:
+        drop = dropped(logits.detach().flatten(0, 1), floor, ids.flatten())  # [R*T, V]
+        logits = logits.masked_fill(drop.view(logits.shape), FILTERED)  # [R, T, V]
     logps = token_logprobs(logits, ids)  # [R, T]
     entropy = None
     if with_entropy or entropy_grad:
@@ -265,8 +272,11 @@ def _stitch(pieces: list[torch.Tensor], order: torch.Tensor, t: int) -> torch.Te
 @in_compute_context
 def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
                    with_hidden: bool = False, entropy_grad: bool = False,
-                   share_prompt: bool = False, logit_chunk: int = 0, length_buckets: int = 1) -> PolicyOutput:
-    """Log-probs of each completion token under `model`; logits only for completion positions.
+                   share_prompt: bool = False, logit_chunk: int = 0, length_buckets: int = 1,
+                   top_k: int = 0, top_p: float = 1.0) -> PolicyOutput:
+    """Log-probs of each completion token under `model`; logits only for completion positions. `temperature`,
+    `top_k` and `top_p` are the sampler's: the log-probs (and entropy) are those of the distribution the
+    sampler drew from, truncated and renormalised (`losses.kept_floor`).
 
     `share_prompt` runs each group's prompt once (rows of a group have the same prompt) and reuses its
     keys/values for the group's completions: the same numbers up to float rounding, with G times less
@@ -283,7 +293,7 @@ def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: 
         hiddens = [_plain_forward(model, batch if rows is None else batch.select(rows)) for rows, _ in widths]
     head = output_head(model)
     stats = [_token_stats(head, h, batch.completion_ids[slice(None) if rows is None else rows, :w], temperature,
-                          logit_chunk, with_entropy, entropy_grad) for h, (rows, w) in zip(hiddens, widths)]
+                          logit_chunk, with_entropy, entropy_grad, top_k, top_p) for h, (rows, w) in zip(hiddens, widths)]
     if len(parts) == 1:
         (logps, entropy), hidden = stats[0], hiddens[0]
         return PolicyOutput(logps, entropy, hidden if with_hidden else None)

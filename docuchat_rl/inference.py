@@ -23,14 +23,20 @@ from typing import Callable
 from .config import Config
 from .data import Example, render_prompt
 from .generation import generate
-from .errors import ModelError
+from .errors import CheckpointError, ModelError
 from .modeling import load_model_and_tokenizer
+from .outputs import read_jsonl
 
 
 def config_of_checkpoint(adapter: str | Path) -> dict | None:
     """The resolved config a checkpoint was trained with (`run_config.json`), if it has one."""
     path = Path(adapter) / "run_config.json"
-    return json.loads(path.read_text())["config"] if path.exists() else None
+    if not path.exists():
+        return None
+    config = _json_object(path).get("config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is damaged (not a run_config with its config): give the recipe with --config")
+    return config
 
 
 def load_policy(cfg: Config, adapter: str | Path | None, device: str | None = None):
@@ -145,14 +151,21 @@ def export_merged(cfg: Config, adapter: str | Path, out: str | Path, dtype: str 
     return out
 
 
+def _json_object(path: Path) -> dict:
+    """A JSON object file's content; {} when it is missing, damaged or not an object."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def _model_card(cfg: Config, adapter: Path) -> str:
-    state = json.loads((adapter / "trainer_state.json").read_text()) if (adapter / "trainer_state.json").exists() else {}
+    state = _json_object(adapter / "trainer_state.json")
     run = adapter.parent
-    evals = {}
-    if (run / "eval.json").exists():
-        evals = json.loads((run / "eval.json").read_text())
-    elif (run / "eval.jsonl").exists():
-        lines = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines() if x.strip()]
+    evals = _json_object(run / "eval.json")  # (the card shows what it can read; a damaged file is left out)
+    if not evals and (run / "eval.jsonl").exists():
+        lines = read_jsonl(run / "eval.jsonl")
         evals = {"after": lines[-1]} if lines else {}
     rewards = ", ".join(f"{c.name} x {c.weight:g}" for c in cfg.rewards.components)
     lines = [

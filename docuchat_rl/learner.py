@@ -94,7 +94,8 @@ class Learner:
         # the rows); no shared prompt under gradient checkpointing in train mode (transformers' checkpointed
         # layers drop the KV cache it hands on)
         checkpointed = self.cfg.model.gradient_checkpointing and self.model.training
-        kw.update(temperature=self.cfg.rollout.temperature, logit_chunk=self.logit_chunk,
+        r = self.cfg.rollout  # (the sampler's distribution: temperature and truncation)
+        kw.update(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, logit_chunk=self.logit_chunk,
                   share_prompt=self.cfg.optim.share_prompt and not self.sharded and not checkpointed,
                   length_buckets=1 if self.sharded else self.cfg.optim.length_buckets)
         out = policy_forward(self.model, mb, with_hidden=critic and not self.separate_critic, **kw)

@@ -51,6 +51,34 @@ def token_entropy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     return out.view(logits.shape[:-1])  # [R, T]
 
 
+FILTERED = -1e30  # a removed token's logit on the trainer's side: its exp() is 0 exactly and, unlike -inf, p * log p
+# and the gradient's p * (log p + H) stay 0 instead of NaN
+
+
+def kept_floor(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
+    """The smallest logit the sampler's top-k / top-p keeps in each row, by the sampler's own warpers
+    (transformers' TopK/TopPLogitsWarper, `generation.warpers`) on the temperature-scaled logits; None when
+    neither truncates. z [n, V] -> [n]. The sampler draws from that truncated, renormalised distribution
+    (and vLLM reports it, `processed_logprobs`), so the trainer scores the same one: scored over the full
+    softmax, every ratio and mismatch against the sampler would carry log(kept mass), a bias, not noise."""
+    if top_k <= 0 and top_p >= 1.0:
+        return None
+    from .generation import warpers
+
+    kept = z
+    for warp in warpers(1.0, top_k, top_p):
+        kept = warp(None, kept)  # [n, V], removed at -inf
+    return kept.masked_fill(kept.isneginf(), float("inf")).amin(-1)  # [n]
+
+
+def dropped(z: torch.Tensor, floor: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The tokens below their row's floor [n, V] bool, the drawn token never among them (where the trainer's
+    logits put it a rounding error below the floor the sampler's kept it; its log-prob stays finite).
+    z [n, V], floor [n], ids [n]"""
+    drop = z < floor[:, None]  # [n, V]
+    return drop.scatter_(-1, ids[:, None], False)
+
+
 class _ChunkStats(torch.autograd.Function):
     """Log-probs (and entropies) of one chunk of positions from their final hidden states, with a written-out
     backward: the chunk's logits are recomputed from the hidden states (never kept between the passes) and
@@ -64,24 +92,32 @@ class _ChunkStats(torch.autograd.Function):
     makes (with V = 49,152 these passes were a third of an update of SmolLM2-135M on a CPU). Hand-written
     because no library offers it outside CUDA (Liger's fused linear cross-entropy is a Triton kernel).
 
-    forward(hidden [n, H], ids [n], head, temperature, want_entropy, entropy_grad)
+    Under the sampler's top-k / top-p (`kept_floor`) the logits below each row's floor are FILTERED in both
+    passes (the floor saved, so both drop the same tokens): log-probs, entropy and gradient are those of the
+    truncated distribution, zero gradient on the dropped logits.
+
+    forward(hidden [n, H], ids [n], head, temperature, want_entropy, entropy_grad, top_k, top_p)
     -> (logps [n] float32, entropy [n] float32, or empty when not wanted)
     """
 
     @staticmethod
-    def forward(ctx, hidden, ids, head, temperature: float, want_entropy: bool, entropy_grad: bool):
+    def forward(ctx, hidden, ids, head, temperature: float, want_entropy: bool, entropy_grad: bool,
+                top_k: int = 0, top_p: float = 1.0):
         device = hidden.device.type
         ctx.autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         with torch.no_grad():
             z = head(hidden).float() / temperature  # [n, V]; the sampler divides float32 logits too
+            floor = kept_floor(z, top_k, top_p)  # [n] or None
+            if floor is not None:
+                z.masked_fill_(dropped(z, floor, ids), FILTERED)
             lse = torch.logsumexp(z, -1)  # [n]
             logps = z.gather(-1, ids[:, None]).squeeze(-1) - lse  # [n]
             entropy = z.new_zeros(0)
             if want_entropy:
                 logp = z.sub_(lse[:, None])  # [n, V] (z is not needed again)
                 entropy = -torch.linalg.vecdot(logp.exp(), logp)  # [n]: -sum p log p, no cancellation when small
-        ctx.head, ctx.temperature = head, temperature
-        ctx.save_for_backward(hidden, ids, lse, entropy)
+        ctx.head, ctx.temperature, ctx.truncated = head, temperature, floor is not None
+        ctx.save_for_backward(hidden, ids, lse, entropy, floor if floor is not None else lse.new_zeros(0))
         if not entropy_grad:
             ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)
@@ -89,13 +125,15 @@ class _ChunkStats(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logps, g_entropy):
-        hidden, ids, lse, entropy = ctx.saved_tensors
+        hidden, ids, lse, entropy, floor = ctx.saved_tensors
         h = hidden.detach().requires_grad_(True)
         enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(h.device.type, dtype=dtype, enabled=enabled):
             z = ctx.head(h).float() / ctx.temperature  # [n, V], recomputed with its graph to h (and the head)
         with torch.no_grad():
             logp = z.detach() - lse[:, None]  # [n, V]
+            if ctx.truncated:  # (the dropped logits get no gradient: p is 0 there)
+                logp.masked_fill_(dropped(z.detach(), floor, ids), FILTERED)
             g_logps = torch.zeros_like(lse) if g_logps is None else g_logps
             coef = -g_logps[:, None]  # [n, 1]
             if g_entropy is not None and g_entropy.numel():
@@ -103,11 +141,12 @@ class _ChunkStats(torch.autograd.Function):
             grad_z = logp.exp_().mul_(coef)  # [n, V]: p * coef
             grad_z.scatter_add_(-1, ids[:, None], g_logps[:, None])  # + onehot(t) * g
         z.backward(grad_z)
-        return h.grad, None, None, None, None, None
+        return h.grad, None, None, None, None, None, None, None
 
 
 def chunked_token_stats(head, hidden: torch.Tensor, ids: torch.Tensor, temperature: float, chunk: int,
-                        with_entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        with_entropy: bool, entropy_grad: bool, top_k: int = 0,
+                        top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of `ids` from final hidden states, `chunk` positions at a time.
 
     head: hidden [n, H] -> logits [n, V] (the model's output layer); hidden [R, T, H]; ids [R, T]
@@ -120,7 +159,7 @@ def chunked_token_stats(head, hidden: torch.Tensor, ids: torch.Tensor, temperatu
     want_entropy = with_entropy or entropy_grad
     grad_entropy = entropy_grad and torch.is_grad_enabled()
     pieces = [_ChunkStats.apply(flat_h[a:a + chunk], flat_ids[a:a + chunk], head, temperature, want_entropy,
-                                grad_entropy) for a in range(0, r * t, chunk)]
+                                grad_entropy, top_k, top_p) for a in range(0, r * t, chunk)]
     logps = torch.cat([p[0] for p in pieces]).view(r, t)  # [R, T]
     entropy = torch.cat([p[1] for p in pieces]).view(r, t) if want_entropy else None  # [R, T]
     return logps, entropy

@@ -87,14 +87,17 @@ class JsonlWriter:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    """All complete, valid records (a torn or malformed line is skipped)."""
+    """All complete, valid records: a torn line (a run killed mid-write), one that is not an object or not
+    UTF-8 (a damaged or hand-edited file) is skipped."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                out.append(json.loads(line))
+                rec = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if isinstance(rec, dict):
+                out.append(rec)
     return out
 
 

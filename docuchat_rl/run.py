@@ -131,9 +131,11 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
     run's `cfg` is `cfg` with its `auto` switches decided for the device (what the loop and checkpoints read)."""
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
-    if resume_dir:
-        check_resumable(resume_dir, cfg.to_dict())
+    applied = check_resumable(resume_dir, cfg.to_dict()) if resume_dir else []
     place = _launch(cfg)
+    if applied and place.dist.is_main:
+        print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
+              file=sys.stderr, flush=True)
     cfg = cfg.for_device(place.dist.device.type)  # every `auto` switch decided for this device, once
     lock = None
     try:
@@ -216,6 +218,13 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     if cfg.rollout.prompts_per_step % dist.world:
         raise TrainingError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the "
                             f"number of processes ({dist.world}): each process samples whole groups")
+    examples = examples if examples is not None else load_split(cfg.data, "train")
+    if not examples:
+        raise DataError(f"{cfg.data.train}: no training rows")
+    if len(examples) < cfg.rollout.prompts_per_step:  # (an epoch's permutation must fill a step)
+        raise DataError(f"{cfg.data.train}: {len(examples)} training row{'s' * (len(examples) != 1)}, fewer than "
+                        f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}): a step would sample a prompt "
+                        "twice; lower rollout.prompts_per_step or add rows")
     model, tokenizer, algo, params = _model(cfg, place)
     opt, sched = _optimizer(params, cfg, cfg.run.steps * cfg.algorithm.num_iterations
                             * (cfg.rollout.batch_rows // cfg.minibatch_rows))
@@ -225,9 +234,6 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     place.accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
     place.accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
 
-    examples = examples if examples is not None else load_split(cfg.data, "train")
-    if not examples:
-        raise DataError(f"{cfg.data.train}: no training rows")
     prompt_texts = [render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages) for e in examples]
     _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
     reward = build_reward(cfg.rewards)

@@ -20,6 +20,7 @@ import importlib.util
 import inspect
 import sys
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -113,22 +114,39 @@ class FunctionReward(Reward):
         self._takes_all = any(p.kind is p.VAR_KEYWORD for p in parameters)
         self._names = {p.name for p in parameters}
 
-    def explain(self, prompts: list, completions: list, **columns: Any) -> list[Score]:
+    @property
+    def is_async(self) -> bool:
+        """An `async def` function (or an object with one as `__call__`): `start` runs it on the event loop."""
+        return inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None))
+
+    def _arguments(self, prompts: list, completions: list, columns: dict[str, Any]) -> dict[str, Any]:
         kwargs = {"prompts": prompts, "completions": completions, **columns, **self.params}
-        if not self._takes_all:
-            kwargs = {k: v for k, v in kwargs.items() if k in self._names}
-        values = self.fn(**kwargs)
-        if inspect.isawaitable(values):  # on the run's one event loop (as TRL), so an async client, semaphore or
-            # session a reward module keeps between calls stays on the loop it was made on
+        return kwargs if self._takes_all else {k: v for k, v in kwargs.items() if k in self._names}
+
+    def start(self, prompts: list, completions: list, **columns: Any) -> Future:
+        """The call started on the run's one event loop, its values to come through the future (`scores`
+        reads them): the composite starts every async component before it waits for any, so they are
+        awaited concurrently, as TRL gathers them. The loop is the same for every call, so an async client,
+        semaphore or session a reward module keeps between calls stays on the loop it was made on."""
+        return asyncio.run_coroutine_threadsafe(_awaited(self.fn(**self._arguments(prompts, completions, columns))),
+                                                _event_loop())
+
+    def scores(self, values: Any) -> list[Score]:
+        """The function's returned values as Scores (a list or tuple, else an error naming the type)."""
+        if not isinstance(values, (list, tuple)):
+            raise RewardError(f"reward {self.name!r} returned {type(values).__name__}, expected a list")
+        return [Score(v) for v in values]
+
+    def explain(self, prompts: list, completions: list, **columns: Any) -> list[Score]:
+        values = self.fn(**self._arguments(prompts, completions, columns))
+        if inspect.isawaitable(values):  # (a sync function that returned an awaitable: awaited on the loop)
             future = asyncio.run_coroutine_threadsafe(_awaited(values), _event_loop())
             try:
                 values = future.result()
             except BaseException:  # (interrupted at the time limit, or Ctrl-C: the coroutine stops too)
                 future.cancel()
                 raise
-        if not isinstance(values, (list, tuple)):
-            raise RewardError(f"reward {self.name!r} returned {type(values).__name__}, expected a list")
-        return [Score(v) for v in values]
+        return self.scores(values)
 
 
 _LOOP: list[asyncio.AbstractEventLoop] = []  # the process's event loop for async rewards, made on first use
@@ -148,8 +166,13 @@ def _event_loop() -> asyncio.AbstractEventLoop:
 
 
 async def _awaited(awaitable):
-    """The result of an awaitable (asyncio.run wants a coroutine)."""
-    return await awaitable
+    """The result of an awaitable (run_coroutine_threadsafe wants a coroutine). sys.exit() inside it
+    becomes an error of the call: asyncio would re-raise SystemExit in the loop's thread, ending the loop
+    that every later async call needs."""
+    try:
+        return await awaitable
+    except SystemExit as e:
+        raise RewardError(f"called sys.exit({e.code!r})") from None
 
 
 _REGISTRY: dict[str, type[Reward]] = {}  # rewards outside this package (the engine's torch-based

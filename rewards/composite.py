@@ -18,7 +18,9 @@ at once instead.
 
 Where a reward runs: in the calling thread when that is the main thread (as TRL calls sync rewards, so
 signal-based code such as math_verify's timeouts works), interrupted at `timeout_s` by a watchdog;
-called from another thread, in a worker thread of its own.
+called from another thread, in a worker thread of its own. An `async def` component runs on the process's
+one event loop: every async component of a call is started before any is awaited, so they run concurrently
+(as TRL gathers them) while the sync ones run in turn; each has `timeout_s` from its start.
 
 Deliberately left out: killing a reward stuck inside C code that never returns to Python (in the main
 thread it is interrupted when it does; a worker thread past its limit is abandoned, its result ignored,
@@ -220,55 +222,82 @@ class CompositeReward:
             raise ValueError(f"returned {len(scores)} values for {len(completions)} completions")
         return list(scores)
 
+    def _wait(self, started: tuple[float, Future | BaseException], reward: Reward) -> list[Score]:
+        """An async component's values: its future, under the time limit counted from its start."""
+        t0, future = started
+        if isinstance(future, BaseException):  # (the call itself failed before it could start)
+            raise future
+        try:
+            values = future.result(timeout=max(0.0, t0 + self.timeout_s - time.perf_counter()))
+        except FutureTimeout:  # (__call__ then cancels the coroutine on the loop: a stuck judge stops there too)
+            raise TimeoutError(f"exceeded the {self.timeout_s:g} s time limit") from None
+        return reward.scores(values)
+
     def __call__(self, prompts: list, completions: list, **columns: Any) -> BatchResult:
         n = len(completions)
         if len(prompts) != n:
             raise RewardError(f"{len(prompts)} prompts for {n} completions")
         per: list[dict[str, ComponentResult]] = [{} for _ in range(n)]
         result = BatchResult(records=[])
-        for name, weight, reward in self.components:
-            t0 = time.perf_counter()
-            extras: dict[str, list] = {}  # this call's log_extra columns (TRL's hook): into each completion's info
-            logged: dict[str, list[float]] = {}  # this call's log_metric values (TRL's hook): into result.metrics
-            hooks = {"log_extra": lambda column, values, extras=extras: extras.__setitem__(str(column), list(values)),
-                     "log_metric": lambda key, value, logged=logged: logged.setdefault(str(key), []).append(
-                         float(value))}
-            try:
-                scores = self._call(reward, prompts, completions, {**columns, **hooks})
-                batch_error = None
-                for key, values in logged.items():
-                    result.metrics.setdefault(key, []).extend(values)
-            except (Exception, SystemExit) as e:  # isolation: any failure of a user's reward is recorded, not
-                # raised; sys.exit() in a reward too (it would end the run at once with no checkpoint); os._exit
-                # cannot be caught in a process
-                why = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
-                if self.strict:
-                    raise RewardFailure(f"reward {name!r} failed: {why}") from e
-                scores, batch_error = [Score(None)] * n, why
-            result.seconds[name] = time.perf_counter() - t0
-            failed = 0
-            for i, s in enumerate(scores):
-                error = batch_error
-                raw, info = (s.value, s.info) if isinstance(s, Score) else (s, {})
-                if extras:
-                    info = {**info, **{k: v[i] for k, v in extras.items() if i < len(v)}}
-                if error is None and raw is not None:
-                    value = as_number(raw)
-                    if value is None:
-                        error, raw = f"returned {type(raw).__name__} {str(raw)[:40]!r}, expected a number", None
-                    elif not math.isfinite(value):
-                        error, raw = f"returned a non-finite value {value}", None
-                    else:
-                        raw = value
-                if error is not None:
-                    raw = None
-                    failed += 1
+        extras: dict[str, dict[str, list]] = {name: {} for name in self.names}  # each call's log_extra columns
+        # (TRL's hook): into each completion's info; log_metric values into result.metrics, kept by the call
+        logged: dict[str, dict[str, list[float]]] = {name: {} for name in self.names}
+        calls = {name: {**columns,
+                        "log_extra": lambda column, values, e=extras[name]: e.__setitem__(str(column), list(values)),
+                        "log_metric": lambda key, value, m=logged[name]: m.setdefault(str(key), []).append(
+                            float(value))} for name in self.names}
+        started: dict[str, tuple[float, Future | BaseException]] = {}
+        for name, _, reward in self.components:  # every async component started before any is awaited
+            if getattr(reward, "is_async", False):
+                t0 = time.perf_counter()
+                try:
+                    started[name] = (t0, reward.start(prompts, completions, **calls[name]))
+                except Exception as e:  # (e.g. a required argument the data has no column for)
+                    started[name] = (t0, e)
+        try:
+            for name, weight, reward in self.components:
+                t0 = started[name][0] if name in started else time.perf_counter()
+                try:
+                    scores = (self._wait(started[name], reward) if name in started
+                              else self._call(reward, prompts, completions, calls[name]))
+                    batch_error = None
+                    for key, values in logged[name].items():
+                        result.metrics.setdefault(key, []).extend(values)
+                except (Exception, SystemExit) as e:  # isolation: any failure of a user's reward is recorded, not
+                    # raised; sys.exit() in a reward too (it would end the run at once with no checkpoint); os._exit
+                    # cannot be caught in a process
+                    why = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
                     if self.strict:
-                        raise RewardFailure(f"reward {name!r} failed on completion {i}: {error}")
-                weighted = None if raw is None else weight * float(raw)
-                per[i][name] = ComponentResult(None if raw is None else float(raw), weight, weighted,
-                                               info, error)
-            result.errors[name] = failed
+                        raise RewardFailure(f"reward {name!r} failed: {why}") from e
+                    scores, batch_error = [Score(None)] * n, why
+                result.seconds[name] = time.perf_counter() - t0
+                failed = 0
+                for i, s in enumerate(scores):
+                    error = batch_error
+                    raw, info = (s.value, s.info) if isinstance(s, Score) else (s, {})
+                    if extras[name]:
+                        info = {**info, **{k: v[i] for k, v in extras[name].items() if i < len(v)}}
+                    if error is None and raw is not None:
+                        value = as_number(raw)
+                        if value is None:
+                            error, raw = f"returned {type(raw).__name__} {str(raw)[:40]!r}, expected a number", None
+                        elif not math.isfinite(value):
+                            error, raw = f"returned a non-finite value {value}", None
+                        else:
+                            raw = value
+                    if error is not None:
+                        raw = None
+                        failed += 1
+                        if self.strict:
+                            raise RewardFailure(f"reward {name!r} failed on completion {i}: {error}")
+                    weighted = None if raw is None else weight * float(raw)
+                    per[i][name] = ComponentResult(None if raw is None else float(raw), weight, weighted,
+                                                   info, error)
+                result.errors[name] = failed
+        finally:  # (a strict failure or Ctrl-C: no coroutine outlives the call; a finished one ignores it)
+            for _, future in started.values():
+                if isinstance(future, Future):
+                    future.cancel()
         for comps in per:
             vals = [c.weighted for c in comps.values() if c.weighted is not None]
             result.records.append(RewardRecord(float(sum(vals)), comps, total_missing=not vals))

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from docuchat_rl.cli import main
+from docuchat_rl.outputs import claim_output_dir
 
 from .conftest import ROOT
 
@@ -51,6 +52,14 @@ def test_run_errors_are_one_line_and_exit_2(tmp_path, capsys):
     empty.write_text("")
     assert main(["train", "--set", f"data.train={empty}", "--set", f"run.output_dir={tmp_path}"]) == 2
     assert "data file is empty" in capsys.readouterr().err
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"question": "1 + 1?", "answer": "2"}) + "\n")
+    assert main(["train", "--set", f"data.train={one}", "--set", f"run.output_dir={tmp_path / 'one'}",
+                 "--set", "rollout.prompts_per_step=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("1 training row, fewer than rollout.prompts_per_step (2): a step would sample a prompt "
+                        "twice; lower rollout.prompts_per_step or add rows") and "\n" not in err
+    claim_output_dir(tmp_path / "one", overwrite=False)  # nothing there blocks the corrected re-run
     missing = tmp_path / "no-such-model"
     assert main(["eval", "--set", f"model.name_or_path={missing}"]) == 2
     err = capsys.readouterr().err.strip()
@@ -87,6 +96,34 @@ def test_stop_after_checkpoints_mid_schedule_says_how_to_go_on_and_refuses_a_ste
     assert (out / "latest").read_text().strip() == "checkpoint-1"  # written although checkpoint.every is 50
     assert main([*argv, "--resume", "latest", "--stop-after", "1"]) == 2
     assert "--stop-after 1: must come after the run's last step (1)" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_changed_recipe_key_and_applies_a_changed_watching_key_saying_so(tmp_path, capsys):
+    """One rule (checkpoint.check_resumable): optim.lr or rollout.num_generations changed on resume is refused
+    in one line naming the key and both values (the saved optimizer and run_config would misstate it); a changed
+    checkpoint cadence, or run.steps under a constant schedule, is applied and said; nothing is written first."""
+    out = tmp_path / "run"
+    sets = [f"run.output_dir={out}", "run.steps=2", "rollout.prompts_per_step=2", "rollout.num_generations=2",
+            "rollout.max_new_tokens=8", "eval.before_and_after=false", "logging.progress=false"]
+    argv = ["train", *[x for s in sets for x in ("--set", s)]]
+    assert main([*argv, "--stop-after", "1"]) == 0
+    capsys.readouterr()
+    for key, value, was in (("optim.lr", "0.001", "0.0005"), ("rollout.num_generations", "4", "2")):
+        assert main([*argv, "--set", f"{key}={value}", "--resume", "latest"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("docuchat-rl: error: checkpoint-1 was trained with a different recipe") and "\n" not in err
+        assert f"{key}={was} -> {value}" in err
+    assert (out / "latest").read_text().strip() == "checkpoint-1"
+    assert main([*argv, "--set", "checkpoint.every=1", "--set", "run.steps=3", "--resume", "latest"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming checkpoint-1 with changed settings (applied): run.steps: 2 -> 3; checkpoint.every: 50 -> 1" in err
+    saved = json.loads((out / "checkpoint-3" / "run_config.json").read_text())["config"]
+    assert saved["run"]["steps"] == 3 and saved["checkpoint"]["every"] == 1 and (out / "checkpoint-2").exists()
+    linear = [*argv, "--set", "optim.schedule=linear"]
+    assert main([*linear, "--set", "run.output_dir=" + str(tmp_path / "lin"), "--stop-after", "1"]) == 0
+    assert main([*linear, "--set", "run.output_dir=" + str(tmp_path / "lin"), "--set", "run.steps=3",
+                 "--resume", "latest"]) == 2
+    assert "run.steps=2 -> 3" in capsys.readouterr().err
 
 
 @pytest.mark.slow

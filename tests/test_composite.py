@@ -132,6 +132,29 @@ def test_a_reward_abandoned_past_its_time_limit_does_not_keep_the_process_from_e
     assert time.perf_counter() - t0 < 20  # the stuck calls sleep 60 s
 
 
+def test_several_async_components_are_awaited_together_with_the_sync_ones_in_order():
+    """Two async components that each wait for the other finish (started together, as TRL gathers them); a
+    sync component between them still runs in the main thread, and the records keep the configured order."""
+    from . import user_rewards
+
+    user_rewards.HANDSHAKE.clear()
+    names = ["tests.user_rewards:meets_b", "tests.user_rewards:long_enough", "tests.user_rewards:meets_a"]
+    comp = CompositeReward([{"name": n} for n in names], timeout_s=5)
+    res = comp(["Q", "Q"], ["short", "a long enough completion"])
+    assert res.errors == dict.fromkeys(names, 0), res.records[0].components
+    assert list(res.records[1].components) == names
+    assert [r.components[names[0]].raw for r in res.records] == [1.0, 1.0]
+
+
+def test_sys_exit_in_an_async_reward_is_that_call_s_failure_and_the_loop_serves_the_next_calls():
+    comp = CompositeReward([{"name": "tests.user_rewards:async_exits"}, {"name": "tests.user_rewards:async_judge"}],
+                           timeout_s=5)
+    for _ in range(2):
+        res = comp(["Q"], ["abc"])
+        assert res.records[0].components["tests.user_rewards:async_exits"].error == "RewardError: called sys.exit(3)"
+        assert res.records[0].components["tests.user_rewards:async_judge"].raw == 3.0
+
+
 def test_an_async_reward_past_its_time_limit_is_cancelled_not_left_running():
     from tests import user_rewards
 

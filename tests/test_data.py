@@ -56,6 +56,10 @@ def test_bad_inputs_name_the_culprit(tmp_path):
         load_examples(str(odd), "train", "q", "a")
     with pytest.raises(DataError, match="folder"):
         load_examples(str(tmp_path), "train", "q", "a")
+    numbers = tmp_path / "numbers.jsonl"  # (e.g. an id column named as the prompt column)
+    numbers.write_text("".join(json.dumps({"q": 1035 + i, "a": "1"}) + "\n" for i in range(3)))
+    with pytest.raises(DataError, match="numbers.jsonl: row 0 column 'q' \\(data.prompt_column\\) holds int '1035'"):
+        load_examples(str(numbers), "train", "q", "a")
 
 
 @pytest.mark.parametrize("suffix,line", [(".jsonl", 2), (".csv", 3)])

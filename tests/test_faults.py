@@ -28,9 +28,9 @@ def _cli(out, *sets, resume=False):
     return args + (["--resume", "latest"] if resume else [])
 
 
-def _start_long_run(out):
+def _start_long_run(out, *sets):
     """A 200-step CLI run checkpointing every step, once its first checkpoint exists."""
-    proc = subprocess.Popen(_cli(out, "run.steps=200", "checkpoint.every=1"), cwd=ROOT,
+    proc = subprocess.Popen(_cli(out, "run.steps=200", "checkpoint.every=1", *sets), cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _wait_for(lambda: (out / "latest").exists(), proc)
     return proc
@@ -89,16 +89,24 @@ def test_preemption_stops_at_a_safe_point_checkpoints_and_resumes_exactly(tmp_pa
 
 @pytest.mark.slow
 def test_a_second_sigint_stops_at_once_leaving_the_last_checkpoint_valid(tmp_path):
+    """The second signal lands while the first waits for its safe point (a reward that takes 2 s per step)."""
     out = tmp_path / "run"
-    proc = _start_long_run(out)
+    proc = _start_long_run(out, "rewards=[{name: correctness}, {name: 'tests.user_rewards:slow', weight: 0}]")
     proc.send_signal(signal.SIGINT)
+    seen = b""
+    while b"SIGINT received" not in seen:  # (two signals sent at once would arrive as one)
+        seen += proc.stderr.readline()
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=60)
-    assert proc.returncode != 0
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     latest = resolve_resume("latest", out)
+    assert err.strip().splitlines()[-1].startswith(f"docuchat-rl: stopped at once by a second signal; the last "
+                                                   f"checkpoint ({latest.name}) is intact; resume with: docuchat-rl")
     assert verify_checkpoint(latest) is None
     state = json.loads((latest / "trainer_state.json").read_text())
-    t = Trainer(cfg_for(out, f"run.steps={state['step'] + 1}"), resume="latest")
+    t = Trainer(cfg_for(out, f"run.steps={state['step'] + 1}", "rewards=[{name: correctness}, "
+                        "{name: 'tests.user_rewards:slow', weight: 0}]"), resume="latest")
     t.train()
     t.close()
     keys = [(r["step"], r["group"], r["sample"]) for r in read_jsonl(out / "traces.jsonl")]

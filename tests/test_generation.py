@@ -184,6 +184,29 @@ def test_only_the_configured_processors_shape_the_distribution(tiny, engine):
     assert (scored[m] - batch.sampler_logps[m]).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (8, 0.9)])
+def test_on_policy_the_trainer_scores_what_the_sampler_drew_from_under_top_k_and_top_p(tiny, engine, top_k, top_p):
+    """rollout.top_k / top_p: the trainer's log-probs are the sampler's (ratio 1 on-policy, whole logits and
+    chunked); scored over the full softmax instead they were lower by log(kept mass), a bias of every ratio."""
+    from docuchat_rl.batch import build_batch
+    from docuchat_rl.forward import policy_forward
+
+    model, tok = tiny
+    sampled = generate(model, tok, _prompts(tok, 3), engine=engine, max_new_tokens=24, do_sample=True,
+                       num_return_sequences=2, temperature=0.9, top_k=top_k, top_p=top_p, row_seeds=list(range(6)))
+    batch = build_batch(sampled.prompt_ids, sampled.completion_ids, [0.0] * 6, [0, 0, 1, 1, 2, 2],
+                        tok.pad_token_id, sampler_logps=sampled.logps)
+    m = batch.completion_mask.bool()
+    with torch.no_grad():
+        for chunk in (0, 5):
+            scored = policy_forward(model, batch, temperature=0.9, top_k=top_k, top_p=top_p, logit_chunk=chunk)
+            ratio = (scored.logps - batch.sampler_logps).exp()[m]
+            assert (ratio - 1).abs().max() < 1e-4, (ratio - 1).abs().max()
+        full = policy_forward(model, batch, temperature=0.9).logps
+    assert (full - batch.sampler_logps)[m].mean() < -0.01  # the bias the truncation removes
+
+
 def test_row_seeds_make_each_row_independent_of_batching_and_engine(tiny):
     """With one random stream per row, a row draws the same completion whatever the batch size, whichever
     rows share its batch, and in either engine."""

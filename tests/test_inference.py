@@ -68,6 +68,43 @@ def test_generate_refuses_compare_without_adapter_and_missing_files(capsys, tmp_
     assert "no adapter_config.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_adapter_accepts_the_run_folder_or_its_latest_pointer_as_the_newest_checkpoint(run, capsys):
+    out, ckpt = run
+    capsys.readouterr()  # (the fixture's run)
+    got = []
+    for adapter in (ckpt, out, out / "latest"):
+        assert main(["generate", "--adapter", str(adapter), "--prompt", "What is 2 + 2?", "--json"]) == 0
+        (rec,) = _json_lines(capsys.readouterr().out)
+        got.append(rec["completion"])
+    assert got[0] == got[1] == got[2]  # greedy, the same adapter
+    assert main(["eval", "--adapter", str(out / "latest"), "--set", "eval.limit=2"]) == 0
+    assert json.loads(capsys.readouterr().out)["adapter"] == str(ckpt)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["generate", "--prompt", "x", "--n", "0"], "argument --n: 0 must be at least 1"),
+    (["generate", "--held-out", "-1"], "argument --held-out: -1 must be at least 1"),
+    (["generate", "--prompt", "x", "--top-p", "1.5"], "argument --top-p: 1.5 must be above 0 and at most 1"),
+    (["generate", "--prompt", "x", "--temperature", "0"], "argument --temperature: 0 must be above 0"),
+    (["chat", "--max-new-tokens", "two"], "argument --max-new-tokens: 'two' is not an integer"),
+    (["train", "--stop-after", "0"], "argument --stop-after: 0 must be at least 1"),
+    (["audit", "runs", "--bins", "0"], "argument --bins: 0 must be at least 1"),
+    (["audit", "runs", "--limit", "-3"], "argument --limit: -3 must be at least 0")])
+def test_numeric_flags_out_of_range_are_one_usage_line_before_anything_loads(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_chat_with_standard_input_closed_is_one_line():
+    done = subprocess.run(["bash", "-c", "docuchat-rl chat <&-"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == ("docuchat-rl: error: chat reads your messages from standard input, which is "
+                                   "closed: run it in a terminal or pipe the messages in (generate --prompt "
+                                   "answers without one)")
+
+
 def _read_until(fd, marker, seconds=120):
     out, deadline = b"", time.time() + seconds
     while marker.encode() not in out and time.time() < deadline:

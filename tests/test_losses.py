@@ -130,3 +130,66 @@ def test_explained_variance():
     target, mask = torch.tensor([[1.0, 2.0, 3.0, 4.0]]), torch.ones(1, 4)
     assert explained_variance(target, target, mask) == pytest.approx(1.0)
     assert explained_variance(torch.full((1, 4), 2.5), target, mask) == pytest.approx(0.0)
+
+
+def _truncated_reference(z: torch.Tensor, top_k: int, top_p: float, t: int):
+    """One position, by hand: sort the probabilities, keep the top k, then the smallest prefix (largest
+    first) whose mass reaches top_p, renormalise; (log-prob of t, entropy) with autograd through z."""
+    p = torch.softmax(z.detach(), -1)
+    order = sorted(range(len(z)), key=lambda v: -float(p[v]))
+    kept = order[:top_k] if top_k > 0 else order
+    mass = sum(float(p[v]) for v in kept)
+    chosen, acc = [], 0.0
+    for v in kept:  # transformers' rule: drop a token when the mass below it (ascending) is <= 1 - top_p
+        if (mass - acc) / mass <= 1 - top_p + 1e-12 and chosen:
+            break
+        chosen.append(v)
+        acc += float(p[v])
+    chosen = sorted(set(chosen) | {t})
+    logp = torch.log_softmax(z[chosen], -1)
+    return logp[chosen.index(t)], -(logp.exp() * logp).sum()
+
+
+def test_truncated_log_probs_by_hand():
+    """logits [2, 1, 0, -1]: top-k 2 keeps tokens 0 and 1; top-p 0.9 drops only token 3 (mass 0.032)."""
+    from docuchat_rl.losses import chunked_token_stats
+
+    hidden = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 2])  # [1, 2, 4]: the head is the identity
+    ids = torch.tensor([[1, 2]])
+    for top_k, top_p, want in ((2, 1.0, [1 - math.log(math.e ** 2 + math.e), None]),
+                               (0, 0.9, [1 - math.log(math.e ** 2 + math.e + 1), -math.log(math.e ** 2 + math.e + 1)])):
+        logps, entropy = chunked_token_stats(lambda h: h, hidden, ids, 1.0, 1, True, False, top_k, top_p)
+        assert logps[0, 0].item() == pytest.approx(want[0], abs=1e-6)
+        if want[1] is not None:
+            assert logps[0, 1].item() == pytest.approx(want[1], abs=1e-6)
+    # top-k 2 and a drawn token outside it (the trainer's logits a rounding error away): kept, renormalised with it
+    logps, _ = chunked_token_stats(lambda h: h, hidden, ids, 1.0, 1, False, False, 2, 1.0)
+    assert logps[0, 1].item() == pytest.approx(0 - math.log(math.e ** 2 + math.e + 1), abs=1e-6)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (4, 0.9)])
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_truncated_log_probs_entropy_and_gradients_equal_a_slow_reference_loop(top_k, top_p, chunk):
+    """The trainer's scoring under top-k / top-p, both paths (whole logits and the chunked written-out
+    backward), against a per-position loop that truncates by hand: values, and gradients of
+    logp + 0.3 * entropy to the hidden states and the head (none to the dropped logits)."""
+    from docuchat_rl.forward import _token_stats
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(6, 13, bias=False)
+    hidden = torch.randn(2, 4, 6, requires_grad=True)
+    ids = torch.randint(0, 13, (2, 4))
+    logps, entropy = _token_stats(head, hidden, ids, 0.8, chunk, True, True, top_k, top_p)
+    (logps.sum() + 0.3 * entropy.sum()).backward()
+    got = (hidden.grad.clone(), head.weight.grad.clone())
+    hidden.grad, head.weight.grad = None, None
+    ref_lp, ref_h, total = torch.zeros(2, 4), torch.zeros(2, 4), 0
+    for r in range(2):
+        for t in range(4):
+            lp, h = _truncated_reference(head(hidden[r, t]) / 0.8, top_k, top_p, int(ids[r, t]))
+            ref_lp[r, t], ref_h[r, t] = lp.detach(), h.detach()
+            total = total + lp + 0.3 * h
+    total.backward()
+    assert torch.allclose(logps.detach(), ref_lp, atol=1e-5) and torch.allclose(entropy.detach(), ref_h, atol=1e-5)
+    assert torch.allclose(got[0], hidden.grad, atol=1e-5) and torch.allclose(got[1], head.weight.grad, atol=1e-5)
+    assert (ref_lp > torch.log_softmax(head(hidden.detach()) / 0.8, -1).gather(-1, ids[..., None])[..., 0]).any()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from docuchat_rl.outputs import claim_output_dir
+from docuchat_rl.outputs import claim_output_dir, read_jsonl
 
 
 def _earlier_run(d):
@@ -45,3 +45,24 @@ def test_a_run_without_a_checkpoint_is_not_offered_a_resume(tmp_path):
     with pytest.raises(ValueError, match=r"\(eval\.jsonl\): it has no checkpoint to resume from: choose another") as e:
         claim_output_dir(tmp_path, overwrite=False)
     assert "--resume" not in str(e.value)
+
+
+def test_read_back_skips_torn_wrongly_typed_and_non_utf8_lines(tmp_path):
+    """Every JSONL file read back (metrics, traces, eval.jsonl in the audit and the export's model card) keeps
+    the intact records of a file a kill, a disk error or a hand edit damaged."""
+    from docuchat_rl.audit import eval_records
+    from docuchat_rl.config import load_config
+    from docuchat_rl.inference import _model_card
+
+    path = tmp_path / "eval.jsonl"
+    path.write_bytes(b'{"step": 1, "accuracy": 0.5}\n[1, 2]\n7\n"text"\n{"step": "two"}\n{"step": 3, "accur\xe9'
+                     b'acy": 0.7}\n{"step": 4, "accuracy": 0.75}\n{"step": 5, "acc')
+    assert read_jsonl(path) == [{"step": 1, "accuracy": 0.5}, {"step": "two"}, {"step": 3, "accur\ufffdacy": 0.7},
+                                {"step": 4, "accuracy": 0.75}]
+    assert [r["step"] for r in eval_records([tmp_path])] == [1, 3, 4]  # (a step that is not a number: left out)
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text('{"step": 4')  # torn
+    (tmp_path / "eval.json").write_text("[]")  # wrongly typed: the card falls back to eval.jsonl's last line
+    card = _model_card(load_config(None), ckpt)
+    assert "(step ?)" in card and "| after | 0.75 |" in card

@@ -104,6 +104,15 @@ def test_the_engines_log_probs_are_the_policys_under_the_configured_processors(e
     ref = warped_logps(model, gen, temperature, top_k, top_p)
     worst = max(abs(a - b) for row, rrow in zip(gen.logps, ref) for a, b in zip(row, rrow))
     assert worst <= 1e-4, worst
+    from docuchat_rl.batch import build_batch  # the trainer's side scores the same truncated distribution
+    from docuchat_rl.forward import policy_forward
+
+    batch = build_batch(gen.prompt_ids, gen.completion_ids, [0.0] * 6, [0, 0, 1, 1, 2, 2], tok.pad_token_id,
+                        sampler_logps=gen.logps)
+    with torch.no_grad():
+        scored = policy_forward(model, batch, temperature=temperature, top_k=top_k, top_p=top_p, logit_chunk=5)
+    m = batch.completion_mask.bool()
+    assert (scored.logps - batch.sampler_logps)[m].abs().max() <= 1e-4  # ratio 1 on-policy
     assert all(len(c) == len(lp) for c, lp in zip(gen.completion_ids, gen.logps))
     assert all(t == (c[-1] not in eng.stop) for c, t in zip(gen.completion_ids, gen.truncated))
 

@@ -1,6 +1,7 @@
 """A user's own rewards, loaded by dotted path in tests (`tests.user_rewards:...`)."""
 
 import asyncio
+import sys
 import time
 
 
@@ -154,3 +155,26 @@ async def async_stuck(prompts, completions, **kwargs):
         CANCELLED.append(len(completions))
         raise
     return [1.0] * len(completions)
+
+
+HANDSHAKE: dict = {}  # the two halves of a handshake between two async components, made per call
+
+
+async def _meet(me: str, other: str, completions) -> list[float]:
+    """Says it is here, then waits for the other component: awaited one after the other, the first would
+    wait forever (until its time limit); awaited together, as TRL gathers async rewards, both finish."""
+    HANDSHAKE.setdefault(me, asyncio.Event()).set()
+    await HANDSHAKE.setdefault(other, asyncio.Event()).wait()
+    return [1.0] * len(completions)
+
+
+async def meets_b(prompts, completions, **kwargs):
+    return await _meet("a", "b", completions)
+
+
+async def meets_a(prompts, completions, **kwargs):
+    return await _meet("b", "a", completions)
+
+
+async def async_exits(prompts, completions, **kwargs):
+    sys.exit(3)
