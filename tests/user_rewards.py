@@ -178,3 +178,17 @@ async def meets_a(prompts, completions, **kwargs):
 
 async def async_exits(prompts, completions, **kwargs):
     sys.exit(3)
+
+
+def numpy_scalars(completions, **kwargs):
+    """numpy scalars, one per completion (np.float32 and np.int64 alternate)."""
+    import numpy as np
+
+    return [np.float32(len(c) % 7) / 7 if i % 2 else np.int64(len(c) % 3) for i, c in enumerate(completions)]
+
+
+def zero_d_tensors(completions, **kwargs):
+    """0-d torch tensors, one per completion."""
+    import torch
+
+    return [torch.tensor(float(c.count(" ")) / 10) for c in completions]
