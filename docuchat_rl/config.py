@@ -351,7 +351,7 @@ class Config(Section):
         if r.sharded_generation and r.merge_adapter is True:
             raise ValueError("rollout.sharded_generation keeps the weights sharded, so the adapter cannot be folded "
                              "into them: set rollout.merge_adapter=false with it")
-        if r.engine == "hf" and "grouped_decode" in r.model_fields_set:
+        if r.engine == "hf" and "grouped_decode" in r.model_fields_set and r.grouped_decode is not False:
             raise ValueError("rollout.grouped_decode applies to our fast decode loop (rollout.engine fast, and "
                              "evaluation under vllm), not to rollout.engine hf")
         if r.engine != "vllm" and r.vllm != VLLMConfig():
@@ -381,8 +381,9 @@ class Config(Section):
         def pick(value, on, off):
             return (on if cpu else off) if value == AUTO else value
 
-        rollout = r.model_copy(update={
-            "engine": pick(r.engine, "fast", "hf"), "grouped_decode": pick(r.grouped_decode, True, False),
+        engine = pick(r.engine, "fast", "hf")
+        rollout = r.model_copy(update={  # (grouped decode is the fast loop's: never on under the hf engine)
+            "engine": engine, "grouped_decode": pick(r.grouped_decode, engine != "hf", False),
             "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, False)})
         optim = o.model_copy(update={"share_prompt": pick(o.share_prompt, True, False),
                                      "length_buckets": pick(o.length_buckets, 4, 1)})

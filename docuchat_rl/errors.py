@@ -28,3 +28,8 @@ class Preempted(Exception):
 
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped on resume (the command line prints it as one line)."""
+
+
+class ReplayError(ValueError):
+    """A traced completion that cannot be replayed (or a run that cannot be rescored) exactly; the message
+    says why."""

@@ -326,3 +326,22 @@ def merged_adapter(model):
             setattr(parent, attr, m)
         for base, original in swapped:
             base.weight = original
+
+
+def adapter_digest(model) -> str | None:
+    """sha256 (first 16 hex digits) of the policy adapter's tensors, by name in sorted order and their bytes
+    as stored: the identity of a policy version (the trace's `adapter_sha256`; `docuchat-rl replay` checks
+    the policy it rebuilt against it). None for sharded weights (a process holds a shard only)."""
+    import hashlib
+
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model, adapter_name="default")
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach()
+        if type(t) is not torch.Tensor:  # (an FSDP2 DTensor shard)
+            return None
+        h.update(name.encode())
+        h.update(t.cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -52,6 +52,7 @@ class Completion:
     example: Example
     slot: int  # its prompt's position among the step's sampled prompts (all processes, all rounds)
     sample: int  # index within its group
+    seed: int  # its random stream's seed (generation.row_seed of run seed, step, slot, sample)
     prompt_ids: list[int]  # the prompt's tokens, unpadded
     ids: list[int]  # the completion's tokens, EOS included when emitted
     sampler_logps: list[float]  # the sampler's log-prob of each of `ids`
@@ -71,6 +72,7 @@ class Rollout:
     prompts_sampled: int
     groups_used: int
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)  # user functions' log_metric values
+    adapter_sha256: str | None = None  # the sampling policy's adapter digest (modeling.adapter_digest)
 
     @property
     def used(self) -> list[Completion]:
@@ -96,15 +98,19 @@ class Rollout:
                            component_rewards=[[nan if r.raw is None or r.error else r.raw
                                                for r in c.reward.components.values()] for c in used])
 
-    def trace_records(self, step: int, run_id: str, per_row: dict[str, list]) -> list[tuple[int, TraceRecord]]:
+    def trace_records(self, step: int, run_id: str, per_row: dict[str, list],
+                      coordinate: dict | None = None) -> list[tuple[int, TraceRecord]]:
         """One (slot, trace record) per completion; `per_row` holds the algorithm's trace fields for the
-        used rows, in order. Sorting every process's pairs by slot (stably) gives the one-process order."""
+        used rows, in order; `coordinate` the run's part of the replay coordinate (sampling, versions).
+        Sorting every process's pairs by slot (stably) gives the one-process order."""
         records, used_i = [], 0
         for c in self.completions:
             algo = {k: values[used_i] if c.used else None for k, values in per_row.items()}
             used_i += c.used
             records.append((c.slot, TraceRecord(
-                run_id=run_id, step=step, group=c.group, used=c.used, algorithm=algo,
+                run_id=run_id, step=step, group=c.group, used=c.used, algorithm=algo, slot=c.slot, seed=c.seed,
+                completion_ids=list(c.ids), policy_version=step - 1, adapter_sha256=self.adapter_sha256,
+                **(coordinate or {}),
                 **completion_fields(c.example, c.sample, c.text, len(c.ids), c.truncated, c.reward))))
         return records
 
@@ -198,7 +204,8 @@ class Collector:
                 for s in range(g):
                     i = p * g + s
                     completions.append(Completion(
-                        example=examples[i], slot=sampled + lo + p, sample=s, prompt_ids=gen.prompt_ids[i],
+                        example=examples[i], slot=sampled + lo + p, sample=s, seed=seeds[i],
+                        prompt_ids=gen.prompt_ids[i],
                         ids=gen.completion_ids[i], sampler_logps=gen.logps[i], text=texts[i],
                         truncated=gen.truncated[i], reward=records[i], used=group is not None, group=group))
             sampled += n

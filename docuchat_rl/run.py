@@ -126,14 +126,16 @@ class Run:
             self.lock.release()
 
 
-def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | None = None) -> Run:
+def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | None = None,
+              quiet: bool = False) -> Run:
     """Set up a run (see the module docstring); on any failure nothing stays held (the folder's lock). The
-    run's `cfg` is `cfg` with its `auto` switches decided for the device (what the loop and checkpoints read)."""
+    run's `cfg` is `cfg` with its `auto` switches decided for the device (what the loop and checkpoints read);
+    `quiet` leaves the settings a resume applied unsaid (a replay's own)."""
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
     applied = check_resumable(resume_dir, cfg.to_dict()) if resume_dir else []
     place = _launch(cfg)
-    if applied and place.dist.is_main:
+    if applied and place.dist.is_main and not quiet:
         print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
               file=sys.stderr, flush=True)
     cfg = cfg.for_device(place.dist.device.type)  # every `auto` switch decided for this device, once

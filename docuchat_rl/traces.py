@@ -47,6 +47,19 @@ class TraceRecord:
     total: float = _f("DOUBLE", "the weighted total of the components that had a value")
     total_missing: bool = _f("BOOLEAN", "true when no component had a value (then the row is out of its "
                                         "group's baseline and its advantage is 0)")
+    # the replay coordinate (`docuchat-rl replay`): everything that regenerates this completion
+    slot: int | None = _f("BIGINT", "replay: the prompt's position among the step's sampled prompts", None)
+    seed: int | None = _f("BIGINT", "replay: the seed of the completion's own random stream (from run.seed, "
+                                    "step, slot, sample)", None)
+    completion_ids: list[int] | None = _f("BIGINT[]", "replay: the completion's token ids", None)
+    policy_version: int | None = _f("BIGINT", "replay: the policy that sampled it: the weights after step "
+                                              "policy_version (= step - 1; 0: the initial adapter)", None)
+    adapter_sha256: str | None = _f("VARCHAR", "replay: sha256 of that policy's adapter tensors (first 16 hex "
+                                               "digits; null when sharded)", None)
+    sampling: dict | None = _f("JSON", "replay: engine, temperature, top_k, top_p, max_new_tokens, "
+                                       "min_new_tokens, stop_ids of the sampler", None)
+    versions: dict | None = _f("JSON", "replay: torch, transformers, vllm (null when not installed) and "
+                                       "docuchat-rl versions of the run", None)
     algorithm: dict[str, float | None] = field(default_factory=dict)  # the algorithm's per-row values
     # (Algorithm.trace_fields: ALGORITHM_FIELDS below), None on rows not trained on; flattened into the JSON
 
@@ -79,6 +92,19 @@ def schema_table() -> str:
     rows = ["| field | type | meaning |", "|---|---|---|"]
     rows += [f"| `{name}` | {sql.lower()} | {doc} |" for name, sql, doc in _schema()]
     return "\n".join(rows)
+
+
+def library_versions() -> dict[str, str | None]:
+    """The versions a completion's numbers depend on (the replay coordinate's `versions`)."""
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for name in ("torch", "transformers", "vllm", "docuchat-rl"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def completion_fields(example: Example, sample: int, text: str, tokens: int, truncated: bool,

@@ -36,11 +36,13 @@ from .config import Config
 from .data import Example, PromptSampler, load_split
 from .distributed import gathered
 from .errors import Preempted, TrainingError
+from .generation import eos_ids
 from .memory import peak_mb, reset_peak
+from .modeling import adapter_digest
 from .preemption import Preemption, RandomState
 from .rollout import Rollout, Timer
 from .run import start_run
-from .traces import reward_failures, signal_warnings, step_metrics
+from .traces import library_versions, reward_failures, signal_warnings, step_metrics
 
 __all__ = ["MEASURED", "Trainer", "TrainingError", "Timer"]
 
@@ -57,8 +59,8 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, resume: str | None = None, examples: list[Example] | None = None,
-                 on_phase: Callable[[str], None] | None = None):
-        self.run = start_run(cfg, resume, examples)
+                 on_phase: Callable[[str], None] | None = None, quiet: bool = False):
+        self.run = start_run(cfg, resume, examples, quiet)
         self.cfg = self.run.cfg  # (its `auto` switches decided for the run's device)
         self.learner, self.collector = self.run.learner, self.run.collector
         self.dist, self.is_main = self.run.place.dist, self.run.place.dist.is_main
@@ -69,13 +71,22 @@ class Trainer:
         self._no_reward_steps = self.run.state.no_reward_streak  # steps in a row without any reward value
         self._bar = None  # the progress bar while train() draws one (_say writes around it)
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
+        r = self.cfg.rollout  # the run's part of every trace line's replay coordinate
+        self._coordinate = {
+            "sampling": {"engine": r.engine, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
+                         "max_new_tokens": r.max_new_tokens, "min_new_tokens": r.min_new_tokens,
+                         "stop_ids": eos_ids(self.learner.model, self.run.tokenizer)},
+            "versions": library_versions()}
 
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
         """Rollout and score phases of the next step (see rollout.Collector), on gathered weights when sharded."""
         place = self.run.place
+        digest = adapter_digest(self.learner.model)  # (the policy that samples this step, for the traces)
         with gathered(place.gather_for_generation, place.sharding):
-            return self.collector.collect(self.learner.model, timer, self.step + 1)
+            rollout = self.collector.collect(self.learner.model, timer, self.step + 1)
+        rollout.adapter_sha256 = digest
+        return rollout
 
     def prepare(self, rollout: Rollout) -> Batch:
         """This process's used groups as a batch on the training device (it may have none of them)."""
@@ -101,7 +112,8 @@ class Trainer:
         metrics record, computed over all of them."""
         run = self.run
         with timer("log"):  # the trace records' writing (the metrics record carries these timings)
-            pairs = self.dist.gather(rollout.trace_records(step, self.run_id, self.learner.algo.trace_fields(batch)))
+            pairs = self.dist.gather(rollout.trace_records(step, self.run_id, self.learner.algo.trace_fields(batch),
+                                                           self._coordinate))
             records = [rec for _, rec in sorted(pairs, key=lambda pair: pair[0])]  # one-process order (stable)
             if run.outputs.traces is not None:
                 run.outputs.traces.write([r.to_json() for r in records])

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from docuchat_rl.config import Config, ConfigError, explain, load_config
+from docuchat_rl.config import Config, ConfigError, config_from_dict, explain, load_config
 
 from .conftest import ROOT
 
@@ -185,5 +185,8 @@ def test_auto_switches_are_decided_per_device_and_explicit_values_win():
     set_ = load_config(ROOT / "config/default.yaml", ["rollout.engine=fast", "optim.length_buckets=2",
                                                        "rollout.grouped_decode=true"]).for_device("cuda")
     assert (set_.rollout.engine, set_.optim.length_buckets, set_.rollout.grouped_decode) == ("fast", 2, True)
+    hf = load_config(ROOT / "config/default.yaml", ["rollout.engine=hf"]).for_device("cpu")
+    assert hf.rollout.grouped_decode is False  # (the fast loop's switch: off under hf, the decided config valid)
+    assert config_from_dict(hf.to_dict()).rollout.grouped_decode is False  # (a checkpoint's run_config reloads)
     sharded = load_config(ROOT / "config/default.yaml", ["rollout.sharded_generation=true"]).for_device("cpu")
     assert sharded.rollout.merge_adapter is False  # (the sharded weights cannot take the merged delta)

@@ -111,6 +111,8 @@ def _assert_close(a, b):
     for x, y in zip(a, b):
         assert x.keys() == y.keys()
         for k in x:
+            if k == "adapter_sha256":  # (weights equal up to float rounding have other digests; sharded: none)
+                continue
             if isinstance(x[k], float) and isinstance(y[k], float):
                 noise = 1e-5 if k.startswith("sampler/mismatch") else 1e-6  # (the mismatch is itself float noise)
                 assert math.isclose(x[k], y[k], rel_tol=1e-5, abs_tol=noise), (x["step"], k, x[k], y[k])

@@ -180,5 +180,5 @@ def test_grouped_decode_applies_to_the_fast_loop_only():
     from .conftest import ROOT
 
     with pytest.raises(ValueError, match="grouped_decode applies to our fast decode loop .* not to rollout.engine hf"):
-        load_config(ROOT / "config/default.yaml", ["rollout.engine=hf", "rollout.grouped_decode=false"])
+        load_config(ROOT / "config/default.yaml", ["rollout.engine=hf", "rollout.grouped_decode=true"])
     assert load_config(ROOT / "config/default.yaml", ["rollout.grouped_decode=false"]).rollout.grouped_decode is False

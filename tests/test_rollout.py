@@ -33,7 +33,7 @@ def test_truncated_completions_stay_in_their_group_but_out_of_the_loss():
     comp = CompositeReward([{"name": "tests.user_rewards:length_over", "weight": 2.0}])
     records = comp(["Q"] * 2, ["a", "bb"]).records
     ex = Example(0, "Q", "1")
-    rows = [Completion(ex, 0, i, [5, 6], ids, [-0.5] * len(ids), "t", cut, rec, True, 0)
+    rows = [Completion(ex, 0, i, 0, [5, 6], ids, [-0.5] * len(ids), "t", cut, rec, True, 0)
             for i, (ids, cut, rec) in enumerate(zip([[1, 2, 3], [4, 2]], [True, False], records))]
     rollout = Rollout(rows, prompts_sampled=1, groups_used=1)
     for masked in (False, True):
@@ -55,7 +55,7 @@ def test_a_process_without_used_groups_builds_an_empty_batch_that_gdpo_handles()
     from docuchat_rl.rollout import Completion, Rollout
 
     rec = CompositeReward([{"name": "tests.user_rewards:length_over", "weight": 1.0}])(["Q"], ["a"]).records[0]
-    rollout = Rollout([Completion(Example(0, "Q", "1"), 0, 0, [5], [1], [-0.1], "a", False, rec, False, None)], 1, 0)
+    rollout = Rollout([Completion(Example(0, "Q", "1"), 0, 0, 0, [5], [1], [-0.1], "a", False, rec, False, None)], 1, 0)
     batch = rollout.batch(pad_id=0)
     assert batch.rows == 0 and batch.component_rewards.shape == (0, 0)
     adv = decoupled_advantages(batch.component_rewards, torch.tensor([1.0, 0.5]), batch.group)

@@ -1,0 +1,299 @@
+"""Replay and rescore: debug one traced completion.
+
+`replay` answers "would the policy of that step really produce this again?": it rebuilds the policy that
+sampled a traced completion (the checkpoint of step S - 1, or the nearest earlier one run forward exactly as
+a resume would), checks it against the trace's adapter digest, samples step S again and compares the
+completion token for token (the first divergence with the rebuilt policy's log-prob of both tokens), and
+scores it with today's reward code beside the traced scores. The whole step is sampled again, in the same
+generate calls as in training: a row sampled alone would sit in batches of another shape, whose float
+sums may round differently.
+
+`rescore` answers "what would my fixed reward have given it, and which completions change?": every traced
+completion scored again with the current reward code and a config (the run's own, or a new one), without a
+model: totals, per-component deltas and, for a critic-free algorithm (GRPO), the group advantages they
+would have had. Its output file is trace lines (the same schema, new values, the old ones under `before`),
+so `docuchat-rl audit` reads it like a run.
+
+Deliberately left out: replaying a multi-process run bit-exactly (each process sampled its share in
+batches of its own; a one-process replay samples them in one), and rescoring a reward that reads
+`trainer_state.epoch` (rescore passes the step, not the data position).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import list_checkpoints, verify_checkpoint
+from .config import Config, config_from_dict
+from .data import DataError, Example
+from .errors import ReplayError
+from .outputs import read_jsonl
+from .traces import library_versions
+
+
+def _where(t: dict) -> str:
+    return f"step {t.get('step')} prompt {t.get('prompt_id')} sample {t.get('sample')}"
+
+
+def run_config(run_dir: Path) -> dict:
+    """The run's recipe: run_config.json of its newest intact checkpoint."""
+    for folder in reversed(list_checkpoints(run_dir)):
+        if verify_checkpoint(folder) is None and (folder / "run_config.json").exists():
+            return json.loads((folder / "run_config.json").read_text())["config"]
+    raise ReplayError(f"{run_dir}: no intact checkpoint holds the run's config (run_config.json)")
+
+
+def select(run_dir: Path, step: int, prompt_id: int, sample: int) -> list[dict]:
+    """The trace lines of (step, prompt row, sample) in the run's traces.jsonl."""
+    path = Path(run_dir) / "traces.jsonl"
+    if not path.exists():
+        raise ReplayError(f"{run_dir}: no traces.jsonl")
+    found = [t for t in read_jsonl(path)
+             if (t.get("step"), t.get("prompt_id"), t.get("sample")) == (step, prompt_id, sample)]
+    if not found:
+        raise ReplayError(f"{path}: no completion of step {step} prompt {prompt_id} sample {sample}")
+    return found
+
+
+# ------------------------------------------------------------------------------------------------- replay
+@dataclass
+class Replayed:
+    """One traced completion sampled again by the policy that sampled it."""
+
+    trace: dict
+    ids: list[int]  # the completion sampled now
+    diverges_at: int | None  # the first token index that differs (None: token for token the traced one)
+    traced_logp: float | None  # at the divergence: the rebuilt policy's log-prob of the traced token
+    new_logp: float | None  # ... and of the token it samples now
+    now: dict[str, float | None]  # each component's raw score now (today's reward code)
+    total_now: float
+    text: str
+
+    @property
+    def same(self) -> bool:
+        return self.diverges_at is None
+
+    def as_dict(self) -> dict:
+        t = self.trace
+        return {"step": t["step"], "prompt_id": t["prompt_id"], "sample": t["sample"], "same": self.same,
+                "diverges_at": self.diverges_at, "traced_logp": self.traced_logp, "new_logp": self.new_logp,
+                "tokens_traced": len(t["completion_ids"]), "tokens_now": len(self.ids),
+                "traced": {k: c["raw"] for k, c in t["rewards"].items()}, "now": self.now,
+                "total_traced": t["total"], "total_now": self.total_now, "completion_now": self.text}
+
+
+def _check_replayable(traces: list[dict], cfg: dict) -> None:
+    """Refuse, naming why, what cannot be replayed exactly: no coordinate, other library versions."""
+    now = library_versions()
+    for t in traces:
+        if t.get("seed") is None or t.get("completion_ids") is None or t.get("sampling") is None:
+            raise ReplayError(f"{_where(t)}: the trace line has no replay coordinate (seed, completion_ids, "
+                              "sampling): it was written by a docuchat-rl that did not record them")
+        engine = t["sampling"].get("engine")
+        for lib in ("torch", "transformers") + (("vllm",) if engine == "vllm" else ()):
+            was = (t.get("versions") or {}).get(lib)
+            if was != now[lib]:
+                raise ReplayError(f"{_where(t)} was sampled with {lib} {was}, this environment has {now[lib]}: "
+                                  f"the numbers would differ; replay where {lib} {was} is installed")
+        if engine is not None and engine != cfg["rollout"]["engine"] and cfg["rollout"]["engine"] != "auto":
+            raise ReplayError(f"{_where(t)} was sampled by the {engine} engine, the run's config says "
+                              f"{cfg['rollout']['engine']}")
+
+
+def _start_step(run_dir: Path, target: int, first_traced: int) -> tuple[Path | None, int]:
+    """(checkpoint to resume, its step) nearest at or before `target` (None, 0: the run's start)."""
+    kept = [(int(c.name.split("-")[1]), c) for c in list_checkpoints(run_dir) if verify_checkpoint(c) is None]
+    before = [(s, c) for s, c in kept if s <= target]
+    if before:
+        step, folder = max(before)
+        return folder, step
+    if first_traced > 1:  # the run began from a checkpoint of another folder: no chain back to step 0 here
+        raise ReplayError(f"no checkpoint at or before step {target} in {run_dir}, and the run's traces begin at "
+                          f"step {first_traced} (it was resumed from elsewhere): the chain back to the policy of "
+                          f"step {target} is missing")
+    return None, 0
+
+
+def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
+           say: Callable[[str], None] = print) -> list[Replayed]:
+    """Sample each traced completion again with the policy that sampled it (see the module docstring)."""
+    import torch
+
+    from .batch import build_batch
+    from .data import PromptSampler
+    from .forward import policy_forward
+    from .modeling import adapter_digest
+    from .preemption import RandomState
+    from .rollout import Timer
+    from .trainer import Trainer
+
+    run_dir = Path(run_dir)
+    raw = run_config(run_dir)
+    _check_replayable(traces, raw)
+    first = min((t["step"] for t in read_jsonl(run_dir / "traces.jsonl") if isinstance(t.get("step"), int)),
+                default=1)
+    tmp = Path(tempfile.mkdtemp(prefix="docuchat-replay-"))
+    raw = json.loads(json.dumps(raw))
+    raw["run"].update(output_dir=str(tmp / "run"), overwrite=True)
+    raw["logging"].update(progress=progress, wandb=False)
+    raw["eval"].update(every=None, before_and_after=False)
+    raw["checkpoint"].update(every=10**9, keep_last=1)
+    cfg: Config = config_from_dict(raw)
+    out: list[Replayed] = []
+    trainer = None
+    try:
+        for step, group in itertools.groupby(sorted(traces, key=lambda t: t["step"]), key=lambda t: t["step"]):
+            group = list(group)
+            target = step - 1
+            folder, at = _start_step(run_dir, target, first)
+            if trainer is None or not at <= trainer.step <= target:
+                if trainer is not None:
+                    trainer.close()
+                    shutil.rmtree(tmp / "run", ignore_errors=True)
+                trainer = Trainer(cfg, resume=str(folder) if folder else None, quiet=True)
+            todo = target - trainer.step
+            say(f"docuchat-rl: replay of step {step}: the policy of step {target}, "
+                + (f"from {folder.name}" if trainer.step == at and folder else
+                   "from the run's start" if trainer.step == 0 else f"from step {trainer.step}")
+                + (f", {todo} step{'s' * (todo != 1)} to run first" if todo else ""))
+            if todo:
+                trainer.train(stop_after=target)
+            digest = adapter_digest(trainer.learner.model)
+            traced = {t.get("adapter_sha256") for t in group} - {None}
+            if traced and traced != {digest}:
+                raise ReplayError(f"the rebuilt policy of step {target} has adapter {digest}, the traces say "
+                                  f"{', '.join(sorted(traced))}: it is not the policy that sampled step {step} "
+                                  "(another model, data or code)")
+            rng, data = RandomState.capture(), trainer.collector.sampler.state()
+            rollout = trainer.collect(Timer())  # step `step` sampled and scored again, as in training
+            rng.restore()  # (a later step's rebuild goes on from here, as if this never ran)
+            trainer.collector.sampler = PromptSampler(len(trainer.run.examples), cfg.run.seed, **data)
+            sampled = {(c.slot, c.sample): c for c in rollout.completions}
+            for t in group:
+                c = sampled.get((t["slot"], t["sample"]))
+                if c is None or c.example.prompt_id != t["prompt_id"]:
+                    raise ReplayError(f"{_where(t)}: step {step} now samples row "
+                                      f"{None if c is None else c.example.prompt_id} in that place: the data "
+                                      "or its order changed")
+                old = list(t["completion_ids"])
+                j = next((i for i, (a, b) in enumerate(zip(old, c.ids)) if a != b),
+                         None if len(old) == len(c.ids) else min(len(old), len(c.ids)))
+                traced_lp = new_lp = None
+                if j is not None and j < len(old) and j < len(c.ids):
+                    r = cfg.rollout
+                    batch = build_batch([c.prompt_ids], [old], [0.0], [0], trainer.run.tokenizer.pad_token_id)
+                    with torch.no_grad():
+                        lp = policy_forward(trainer.learner.model, batch.to(trainer.dist.device),
+                                            temperature=r.temperature, top_k=r.top_k, top_p=r.top_p).logps
+                    traced_lp, new_lp = float(lp[0, j]), float(c.sampler_logps[j])
+                out.append(Replayed(t, list(c.ids), j, traced_lp, new_lp,
+                                    {k: v.raw for k, v in c.reward.components.items()}, c.reward.total, c.text))
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ rescore
+@dataclass
+class Rescored:
+    """Every traced completion scored again: the new trace lines (old values under `before`), and which
+    changed."""
+
+    lines: list[dict]
+    changed: list[dict] = field(default_factory=list)  # the lines whose total or advantage changed
+    advantages: bool = True  # False when the algorithm's advantages need its critic (not recomputed)
+
+
+def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
+    """Score every completion of the run's traces with today's reward code and `cfg` (default: the run's own
+    config), step by step as in training; recompute GRPO-style group advantages from the new totals."""
+    import torch
+    from transformers import TrainerState
+
+    from .algorithms import ActorCritic, get_algorithm_class
+    from .batch import build_batch
+    from .data import load_split
+    from .generation import Generation
+    from .scoring import build_reward, score
+
+    run_dir = Path(run_dir)
+    path = run_dir / "traces.jsonl" if run_dir.is_dir() else run_dir
+    if not path.exists():
+        raise ReplayError(f"{run_dir}: no traces.jsonl")
+    cfg = cfg or config_from_dict(run_config(path.parent))
+    traces = read_jsonl(path)
+    if not traces:
+        raise ReplayError(f"{path}: no trace lines")
+    rows: dict[int, Example] = {}
+    try:  # the data rows give the rewards their columns (a `solution` column, say); the traces keep the text
+        rows = {e.prompt_id: e for e in load_split(cfg.data, "train")}
+    except DataError:
+        pass
+    reward = build_reward(cfg.rewards)
+    cls = get_algorithm_class(cfg.algorithm.name)
+    critic_free = not issubclass(cls, ActorCritic)  # (a critic's advantages need its values: the model)
+    algo = cls(cfg) if critic_free else None
+    result = Rescored([], advantages=critic_free)
+    for step, group in itertools.groupby(traces, key=lambda t: t.get("step")):
+        group = list(group)
+        examples = []
+        for t in group:
+            e = rows.get(t["prompt_id"])
+            if e is None or e.question != t["prompt"]:  # (the data file changed or is elsewhere: the trace's own)
+                e = Example(t["prompt_id"], t["prompt"], t.get("gold") or "")
+            examples.append(e)
+        ids = [t.get("completion_ids") or [0] * t["completion_tokens"] for t in group]
+        gen = Generation([[]] * len(group), ids, [t["truncated"] for t in group], [[]] * len(group))
+        state = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
+        new = score(reward, examples, [t["completion"] for t in group], gen, state).records
+        adv: list[float | None] = [None] * len(group)
+        used = [i for i, t in enumerate(group) if t.get("used", True) and t.get("group") is not None]
+        if result.advantages and used:
+            groups = sorted({group[i]["group"] for i in used})
+            local = {g: k for k, g in enumerate(groups)}
+            order = sorted(used, key=lambda i: (local[group[i]["group"]], group[i]["sample"]))
+            nan = float("nan")
+            batch = build_batch([[0]] * len(order), [ids[i] for i in order], [new[i].total for i in order],
+                                [local[group[i]["group"]] for i in order], 0,
+                                reward_valid=[not new[i].total_missing for i in order],
+                                trained=[not (cfg.algorithm.mask_truncated_completions and group[i]["truncated"])
+                                         for i in order],
+                                component_rewards=[[nan if c.raw is None or c.error else c.raw
+                                                    for c in new[i].components.values()] for i in order])
+            algo.advantages(batch)
+            for i, a in zip(order, algo.trace_fields(batch)["advantage"]):
+                adv[i] = float(a)
+        for t, rec, a in zip(group, new, adv):
+            line = {**t, "rewards": {k: c.as_dict() for k, c in rec.components.items()}, "total": rec.total,
+                    "total_missing": rec.total_missing,
+                    "before": {"total": t["total"], "advantage": t.get("advantage"),
+                               "rewards": t["rewards"]}}
+            if result.advantages:
+                line["advantage"] = a
+            result.lines.append(line)
+            moved = abs(rec.total - t["total"]) > 1e-9 or (
+                result.advantages and (a is None) != (t.get("advantage") is None)) or (
+                result.advantages and a is not None and abs(a - t["advantage"]) > 1e-6)
+            if moved:
+                result.changed.append(line)
+    return result
+
+
+def component_deltas(line: dict) -> dict[str, tuple[float | None, float | None]]:
+    """(before, now) contribution (weight x raw) of each component whose contribution changed, a new or
+    removed component included."""
+    before, after = line["before"]["rewards"], line["rewards"]
+    out = {}
+    for name in dict.fromkeys([*before, *after]):
+        b, a = before.get(name, {}).get("weighted"), after.get(name, {}).get("weighted")
+        if b != a:
+            out[name] = (b, a)
+    return out
