@@ -61,6 +61,19 @@ def eval_records(sources: list[str | Path]) -> list[dict]:
     return out
 
 
+def rescored_records(sources: list[str | Path]) -> list[dict]:
+    """The lines of a `docuchat-rl rescore --out` file whose total or advantage moved (they keep the old
+    values under `before`), for the HTML report's before/now table."""
+    out = []
+    for src in sources:
+        for f in trace_files(src):
+            for r in read_jsonl(f):
+                b = r.get("before")
+                if isinstance(b, dict) and (b.get("total") != r.get("total") or b.get("advantage") != r.get("advantage")):
+                    out.append(r)
+    return out
+
+
 def _q(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 

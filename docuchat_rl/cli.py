@@ -514,7 +514,7 @@ def cmd_audit(args) -> int:
     """Read trace files: summary, detectors, filtered rows, comparisons, exports, the HTML report."""
     from rich.console import Console
 
-    from .audit import AuditError, TraceStore, compare, eval_records, export
+    from .audit import AuditError, TraceStore, compare, eval_records, export, rescored_records
     from .report import html_report, print_records, print_summary
 
     console = Console()
@@ -559,7 +559,8 @@ def cmd_audit(args) -> int:
                 print_summary(summary, findings, store.malformed, console)
         if args.html:
             Path(args.html).write_text(html_report(store, summary, findings, f"docuchat-rl audit: "
-                                                   f"{', '.join(map(str, args.runs))}", eval_records(args.runs)))
+                                                   f"{', '.join(map(str, args.runs))}", eval_records(args.runs),
+                                                   rescored_records(args.runs)))
             console.print(f"wrote {args.html}")
     return 0
 

@@ -141,10 +141,10 @@ def _trace_html(trace: dict, store: TraceStore) -> str:
 
 
 def html_report(store: TraceStore, summary: dict, findings: list[Finding], title: str,
-                evals: list[dict] | None = None) -> str:
+                evals: list[dict] | None = None, rescored: list[dict] | None = None) -> str:
     """A self-contained HTML page: the detectors (a fired one with an example trace beside it), the
     per-step-range table, plots of the traces and of the held-out evaluations (`evals`, from eval.jsonl),
-    malformed lines."""
+    a rescore's changed completions before and now (`rescored`, audit.rescored_records), malformed lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,6 +183,19 @@ def html_report(store: TraceStore, summary: dict, findings: list[Finding], title
     plots = "".join(f"<figure><img alt='{e(name)}' src='data:image/png;base64,{b64}'></figure>" for name, b64 in figs)
     eval_plots = "".join(f"<figure><img alt='{e(name)}' src='data:image/png;base64,{b64}'></figure>"
                          for name, b64 in eval_figs) or "<p>no eval.jsonl beside these traces</p>"
+    def contributions(rewards: dict) -> str:
+        return "<br>".join(f"{e(k)} {_fmt(c.get('weighted'))}" for k, c in rewards.items())
+
+    changed = "".join(
+        f"<tr><td>{r['step']}</td><td>{r['prompt_id']}</td><td>{r['sample']}</td><td style='text-align:left'>"
+        f"<pre>{e(str(r.get('completion', ''))[:400])}</pre></td><td>{_fmt(r['before']['total'])}</td>"
+        f"<td>{_fmt(r['total'])}</td><td>{_fmt(r['before'].get('advantage'))}</td><td>{_fmt(r.get('advantage'))}</td>"
+        f"<td>{contributions(r['before'].get('rewards') or {})}</td><td>{contributions(r.get('rewards') or {})}</td>"
+        "</tr>" for r in (rescored or [])[:200])
+    rescore = (f"<h2>Rescored: before and now</h2><p>{len(rescored or [])} completions judged differently "
+               "(the first 200)</p><table><tr><th>step</th><th>prompt</th><th>sample</th><th>completion</th>"
+               "<th>total before</th><th>total now</th><th>advantage before</th><th>advantage now</th>"
+               f"<th>contributions before</th><th>contributions now</th></tr>{changed}</table>") if rescored else ""
     malformed = "".join(f"<li>{e(m['source'])}:{m['line']}: <code>{e(m['text'])}</code></li>"
                         for m in store.malformed[:50])
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{e(title)}</title><style>
@@ -192,7 +205,7 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} figure{{display:
 .dim{{color:#777}} pre{{background:#f6f6f6;padding:6px;white-space:pre-wrap}}</style></head><body>
 <h1>{e(title)}</h1><p>{summary['records']} completions; components: {e(', '.join(summary['components']))};
 {len(store.malformed)} malformed lines skipped.</p>
-<h2>Detectors</h2>{''.join(finds) or '<p>no checks applied</p>'}
+{rescore}<h2>Detectors</h2>{''.join(finds) or '<p>no checks applied</p>'}
 <h2>Over time</h2><table><tr><th>steps</th><th>records</th><th>reward</th><th>accuracy</th><th>format rate</th>
 <th>mean length</th><th>truncated</th></tr>{rows}</table>
 <h2>Held-out evaluation</h2>{eval_plots}

@@ -120,3 +120,7 @@ def test_rescore_with_a_changed_weight_gives_the_hand_computed_totals_and_advant
     assert len(read_jsonl(out)) == len(traces)
     assert main(["audit", str(out), "--where", "format.weight = 0.7", "--json"]) == 0  # the audit reads it
     assert len(json.loads(capsys.readouterr().out)) == 10
+    page = tmp_path / "report.html"
+    assert main(["audit", str(out), "--html", str(page)]) == 0
+    html = page.read_text()
+    assert f"{len(result.changed)} completions judged differently" in html and "total before" in html
