@@ -146,6 +146,8 @@ class RolloutConfig(Section):
     """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged; auto: on on CPUs (off with sharded_generation), off on GPUs (CPU-measured only)."""
     sharded_generation: bool = False
     """Under FSDP2 only: decode on the sharded weights, every process in lockstep (each decoding step gathers every layer: slow, but the whole weights never sit on one device); false = gather them for generation."""
+    async_lag: int = Field(0, ge=0)
+    """Fixed lag k: step t trains on completions sampled by the policy after step t-1-k, the ratio taken against the sampler's log-probs (0: synchronous); sampled in the learner's process between updates (no overlap yet: it costs learning, buys no speed)."""
     correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     """Importance-weight the loss by pi_train/pi_sampler per token or per sequence, clamped (truncate) or zeroed (mask) outside [correction_min, correction_max]."""
     correction_min: float = Field(0.0, ge=0)
@@ -359,6 +361,12 @@ class Config(Section):
         if r.engine == "vllm" and r.sharded_generation:
             raise ValueError("rollout.engine vllm generates on whole weights: rollout.sharded_generation cannot "
                              "be used with it")
+        if r.async_lag and r.dynamic_sampling:
+            raise ValueError("rollout.async_lag cannot be used with rollout.dynamic_sampling (its refill reads the "
+                             "same step's rewards, which a fixed lag samples ahead of)")
+        if r.async_lag and r.engine == "vllm":
+            raise ValueError("rollout.async_lag is not built for rollout.engine vllm yet (its adapter versions): "
+                             "use the fast or hf engine")
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")

@@ -128,7 +128,6 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
     from .batch import build_batch
     from .data import PromptSampler
     from .forward import policy_forward
-    from .modeling import adapter_digest
     from .preemption import RandomState
     from .rollout import Timer
     from .trainer import Trainer
@@ -164,16 +163,15 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
                 + (f", {todo} step{'s' * (todo != 1)} to run first" if todo else ""))
             if todo:
                 trainer.train(stop_after=target)
-            digest = adapter_digest(trainer.learner.model)
-            traced = {t.get("adapter_sha256") for t in group} - {None}
-            if traced and traced != {digest}:
-                raise ReplayError(f"the rebuilt policy of step {target} has adapter {digest}, the traces say "
-                                  f"{', '.join(sorted(traced))}: it is not the policy that sampled step {step} "
-                                  "(another model, data or code)")
             rng, data = RandomState.capture(), trainer.collector.sampler.state()
             rollout = trainer.collect(Timer())  # step `step` sampled and scored again, as in training
             rng.restore()  # (a later step's rebuild goes on from here, as if this never ran)
             trainer.collector.sampler = PromptSampler(len(trainer.run.examples), cfg.run.seed, **data)
+            traced = {t.get("adapter_sha256") for t in group} - {None}
+            if traced and traced != {rollout.adapter_sha256}:
+                raise ReplayError(f"the rebuilt policy of step {rollout.policy_version} has adapter "
+                                  f"{rollout.adapter_sha256}, the traces say {', '.join(sorted(traced))}: it is not "
+                                  f"the policy that sampled step {step} (another model, data or code)")
             sampled = {(c.slot, c.sample): c for c in rollout.completions}
             for t in group:
                 c = sampled.get((t["slot"], t["sample"]))

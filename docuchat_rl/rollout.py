@@ -73,6 +73,7 @@ class Rollout:
     groups_used: int
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)  # user functions' log_metric values
     adapter_sha256: str | None = None  # the sampling policy's adapter digest (modeling.adapter_digest)
+    policy_version: int | None = None  # the sampling policy: the adapter after this step (Trainer.collect)
 
     @property
     def used(self) -> list[Completion]:
@@ -109,7 +110,8 @@ class Rollout:
             used_i += c.used
             records.append((c.slot, TraceRecord(
                 run_id=run_id, step=step, group=c.group, used=c.used, algorithm=algo, slot=c.slot, seed=c.seed,
-                completion_ids=list(c.ids), policy_version=step - 1, adapter_sha256=self.adapter_sha256,
+                completion_ids=list(c.ids), adapter_sha256=self.adapter_sha256,
+                policy_version=step - 1 if self.policy_version is None else self.policy_version,
                 **(coordinate or {}),
                 **completion_fields(c.example, c.sample, c.text, len(c.ids), c.truncated, c.reward))))
         return records

@@ -27,9 +27,10 @@ from .algorithms import Algorithm, get_algorithm_class
 from .checkpoint import TrainerState, check_resumable, load_training_state, resolve_resume
 from .config import Config
 from .data import DataError, Example, PromptSampler, load_split, render_prompt
+from .lag import LaggedPolicies
 from .distributed import (Dist, Sharding, ShardingError, held_bytes, on_cpu, shard_layers, sharding_from_launcher,
                           without_fsdp_env)
-from .errors import CheckpointWarning, ModelError, TrainingError
+from .errors import CheckpointError, CheckpointWarning, ModelError, TrainingError
 from .fused_lora import fuse_lora
 from .learner import Learner
 from .modeling import (add_critic_adapter, build_lora, disable_dropout, load_model_and_tokenizer, tied_head_adapted,
@@ -114,6 +115,7 @@ class Run:
     outputs: Outputs
     wandb: object  # a wandb run, or None
     lock: RunLock | None  # the output folder's lock (main process)
+    lagged: LaggedPolicies | None = None  # rollout.async_lag's adapter versions (lag.py)
 
     def close(self) -> None:
         """Close the files, wandb and a vLLM engine, release the folder."""
@@ -266,6 +268,19 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
                           f"process{'es' * (state.world_size != 1)} and resumes on {dist.world}: the run goes on, "
                           "but not bit-exactly (sums run in another order)", CheckpointWarning, stacklevel=3)
     dist.broadcast_(params)  # every process trains the main process's initial (or resumed) weights
+    lagged = None
+    if cfg.rollout.async_lag:  # the adapter versions the next steps sample with (lag.py)
+        if dist.active or place.sharding is not None:
+            raise TrainingError("rollout.async_lag is built for one training process (not yet several, nor "
+                                "FSDP2): run it without a launcher, or set rollout.async_lag=0")
+        lagged = LaggedPolicies(cfg.rollout.async_lag)
+        if resume_dir:
+            try:
+                lagged.load(resume_dir, state.step, model)
+            except ValueError as e:
+                raise CheckpointError(f"cannot resume with rollout.async_lag: {e}") from None
+        else:
+            lagged.record(0, model)
     sampler = PromptSampler(len(examples), cfg.run.seed, **state.sampler)
     vocab = model.get_output_embeddings().weight.shape[0]
     chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
@@ -280,7 +295,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         wandb_run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode, dir=str(out_dir),
                                config=cfg.to_dict(), id=state.run_id, resume="allow")
     return Run(cfg, out_dir, place, tokenizer, learner, collector, reward, examples, state,
-               Outputs.open(out_dir, dist.is_main, state.offsets), wandb_run, lock)
+               Outputs.open(out_dir, dist.is_main, state.offsets), wandb_run, lock, lagged)
 
 
 def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algorithm, list[torch.nn.Parameter]]:

@@ -53,7 +53,8 @@ class TraceRecord:
                                     "step, slot, sample)", None)
     completion_ids: list[int] | None = _f("BIGINT[]", "replay: the completion's token ids", None)
     policy_version: int | None = _f("BIGINT", "replay: the policy that sampled it: the weights after step "
-                                              "policy_version (= step - 1; 0: the initial adapter)", None)
+                                              "policy_version (step - 1 - rollout.async_lag, at least 0; 0: the "
+                                              "initial adapter)", None)
     adapter_sha256: str | None = _f("VARCHAR", "replay: sha256 of that policy's adapter tensors (first 16 hex "
                                                "digits; null when sharded)", None)
     sampling: dict | None = _f("JSON", "replay: engine, temperature, top_k, top_p, max_new_tokens, "

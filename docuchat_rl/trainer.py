@@ -23,6 +23,7 @@ Deliberately left out: serving engines (vLLM, SGLang) for the rollout.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from .data import Example, PromptSampler, load_split
 from .distributed import gathered
 from .errors import Preempted, TrainingError
 from .generation import eos_ids
+from .losses import k3_kl
 from .memory import peak_mb, reset_peak
 from .modeling import adapter_digest
 from .preemption import Preemption, RandomState
@@ -82,10 +84,13 @@ class Trainer:
     def collect(self, timer: Timer) -> Rollout:
         """Rollout and score phases of the next step (see rollout.Collector), on gathered weights when sharded."""
         place = self.run.place
-        digest = adapter_digest(self.learner.model)  # (the policy that samples this step, for the traces)
-        with gathered(place.gather_for_generation, place.sharding):
-            rollout = self.collector.collect(self.learner.model, timer, self.step + 1)
-        rollout.adapter_sha256 = digest
+        step, lagged, model = self.step + 1, self.run.lagged, self.learner.model
+        version = lagged.version_for(step) if lagged else step - 1  # the policy that samples this step
+        with lagged.active(model, version) if lagged else contextlib.nullcontext():
+            digest = adapter_digest(model)  # (for the traces)
+            with gathered(place.gather_for_generation, place.sharding):
+                rollout = self.collector.collect(model, timer, step)
+        rollout.adapter_sha256, rollout.policy_version = digest, version
         return rollout
 
     def prepare(self, rollout: Rollout) -> Batch:
@@ -100,7 +105,14 @@ class Trainer:
         """The no-grad passes the algorithm needs (old and reference log-probs, values), then its advantages."""
         with timer("advantages"):
             self.learner.score_rollout(batch)
-            return self.learner.algo.advantages(batch)
+            lag = {}
+            if self.run.lagged:  # fixed lag: every ratio against the policy that sampled (decoupled PPO)
+                learner = batch.old_logps if batch.old_logps is not None else self.learner.policy_logps(batch)
+                m = batch.completion_mask  # [R, T]
+                gap = (k3_kl(batch.sampler_logps, learner) * m).sum() / m.sum().clamp(min=1.0)
+                lag["async/kl_sampler_learner"] = float(gap)  # k3 estimate of KL(sampler || learner) per token
+                batch.old_logps = batch.sampler_logps
+            return {**self.learner.algo.advantages(batch), **lag}
 
     def update(self, batch: Batch, timer: Timer, global_groups: list[int] | None = None) -> dict[str, float]:
         """The step's optimizer steps over the batch (learner.Learner.update)."""
@@ -173,6 +185,8 @@ class Trainer:
             write_training_state(folder, model=learner.model, tokenizer=run.tokenizer, critic=learner.algo.critic,
                                  accelerator=run.place.accelerator, config=self.cfg.to_dict(), trainer_state=state,
                                  main=self.is_main)
+            if run.lagged and self.is_main:
+                run.lagged.save(folder, step)
 
         return save_checkpoint(run.out_dir, step, write_into, self.cfg.checkpoint.keep_last, self.dist)
 
@@ -240,6 +254,9 @@ class Trainer:
             self._stop()
         self.on_phase("update")
         extra.update(self.update(batch, timer, rollout.global_groups))
+        if self.run.lagged:
+            self.run.lagged.record(step, self.learner.model)
+            extra["async/lag"] = step - 1 - rollout.policy_version  # (steps the sampling policy is behind)
         if self.cfg.eval.every and self.cfg.data.test and step % self.cfg.eval.every == 0:
             self.on_phase("eval")
             result = self.evaluate()  # (on every process: each evaluates a share of the rows)
