@@ -129,13 +129,17 @@ class Algorithm:
 
     def sampler_correction(self, trainer_logps: torch.Tensor, mb: Batch) -> tuple[torch.Tensor | None, dict]:
         """The sampler/trainer mismatch metrics and, with `rollout.correction`, the importance weights
-        [r, T] (None when off). `trainer_logps` are the trainer's log-probs under the rollout policy.
+        [r, T] (None when off). `trainer_logps` are the trainer's log-probs under the rollout policy (under
+        `rollout.async_lag`, the learner's now: the gap the lag opened, with KL(sampler || learner), k3).
         Metrics are 0-dim tensors (the learner reads them back once per step)."""
         r, mask = self.cfg.rollout, mb.completion_mask
         diff = (trainer_logps.detach() - mb.sampler_logps).abs() * mask  # [r, T]
         metrics = {"sampler/mismatch_mean": masked_mean(diff, mask).detach(),
                    "sampler/mismatch_max": diff.max() if diff.numel() else diff.new_zeros(()),
                    "sampler/mismatch_share": masked_mean((diff > MISMATCH_THRESHOLD).float(), mask).detach()}
+        if r.async_lag:
+            metrics["async/kl_sampler_learner"] = masked_mean(k3_kl(mb.sampler_logps, trainer_logps.detach()),
+                                                              mask).detach()
         if r.correction == "none":
             return None, metrics
         w, capped = sampler_weights(trainer_logps, mb.sampler_logps, mask, r.correction, r.correction_min,
@@ -170,7 +174,7 @@ class Algorithm:
         old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)
         per_token, low, high = clipped_surrogate(log_rho, mb.advantages, a.epsilon_low, a.epsilon_high)
-        weights, metrics = self.sampler_correction(old, mb)
+        weights, metrics = self.sampler_correction(out.logps if self.cfg.rollout.async_lag else old, mb)
         if weights is not None:
             per_token = per_token * weights
         per_token = self.kl_term(out, mb, per_token, metrics)
@@ -219,7 +223,7 @@ class GRPO(Algorithm):
         a, mask, adv = self.cfg.algorithm, mb.completion_mask, mb.advantages
         old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)  # [r, T] or [r, 1]
-        weights, metrics = self.sampler_correction(old, mb)  # [r, T] or None
+        weights, metrics = self.sampler_correction(out.logps if self.cfg.rollout.async_lag else old, mb)
         row_adv = (adv * mask).sum(-1, keepdim=True)  # [r, 1]: the sign of each row's advantage
         if a.surrogate == "clip":
             per_token, low, high = clipped_surrogate(log_rho, adv, a.epsilon_low, a.epsilon_high, a.delta)

@@ -202,7 +202,8 @@ def resolve_adapter(path: str | Path) -> Path:
 # checkpoint's run_config.json (the recipe of record) cannot both honour: refused, naming the key.
 RESUME_APPLIED = ("run.output_dir", "run.threads", "run.overwrite", "model.device", "model.gradient_checkpointing",
                   "lora.fused", "rollout.generation_batch_size", "rollout.engine", "rollout.grouped_decode",
-                  "rollout.merge_adapter", "rollout.vllm", "optim.micro_batch_size", "optim.share_prompt",
+                  "rollout.merge_adapter", "rollout.vllm", "rollout.async_worker_threads", "rollout.async_timeout_s",
+                  "optim.micro_batch_size", "optim.share_prompt",
                   "optim.length_buckets", "optim.logit_chunk", "optim.max_nonfinite_steps", "rewards.timeout_s",
                   "rewards.strict", "rewards.max_failed_steps", "rewards.accuracy_component", "checkpoint",
                   "logging", "eval")

@@ -147,7 +147,11 @@ class RolloutConfig(Section):
     sharded_generation: bool = False
     """Under FSDP2 only: decode on the sharded weights, every process in lockstep (each decoding step gathers every layer: slow, but the whole weights never sit on one device); false = gather them for generation."""
     async_lag: int = Field(0, ge=0)
-    """Fixed lag k: step t trains on completions sampled by the policy after step t-1-k, the ratio taken against the sampler's log-probs (0: synchronous); sampled in the learner's process between updates (no overlap yet: it costs learning, buys no speed)."""
+    """Fixed lag k: step t trains on completions sampled by the policy after step t-1-k, the ratio taken against the sampler's log-probs (0: synchronous); see async_worker_threads for where they are sampled."""
+    async_worker_threads: int = Field(0, ge=0)
+    """With async_lag: 0 samples in the learner's process between updates (no overlap); N > 0 samples in a worker process of N torch threads, ahead, while the learner updates (give the learner the rest with run.threads)."""
+    async_timeout_s: float = Field(600.0, gt=0)
+    """With a worker: a step's samples that do not arrive within this many seconds (counted once the worker has loaded the model) end the run in one line naming the step and adapter version."""
     correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     """Importance-weight the loss by pi_train/pi_sampler per token or per sequence, clamped (truncate) or zeroed (mask) outside [correction_min, correction_max]."""
     correction_min: float = Field(0.0, ge=0)
@@ -361,6 +365,10 @@ class Config(Section):
         if r.engine == "vllm" and r.sharded_generation:
             raise ValueError("rollout.engine vllm generates on whole weights: rollout.sharded_generation cannot "
                              "be used with it")
+        if not r.async_lag and (r.async_worker_threads or r.async_timeout_s != 600.0):  # (by value: a saved
+            # config holds every key)
+            raise ValueError("rollout.async_worker_threads and rollout.async_timeout_s apply to rollout.async_lag "
+                             ">= 1, not to the synchronous loop")
         if r.async_lag and r.dynamic_sampling:
             raise ValueError("rollout.async_lag cannot be used with rollout.dynamic_sampling (its refill reads the "
                              "same step's rewards, which a fixed lag samples ahead of)")

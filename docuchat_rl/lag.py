@@ -3,24 +3,43 @@ step t - 1 - k (version v = the adapter after step v; 0 = the initial one), what
 
 The schedule is fixed, not "whatever the sampler has by then", so a run is reproducible and resumes
 exactly: a checkpoint of step t holds the adapter versions t - k .. t - 1 that the next steps still sample
-with (`lagged/adapter-v<N>.safetensors`), the versions before are dropped as the run goes. The learner's
-ratio is taken against the sampler's own log-probs (the "old" side is the policy that sampled, decoupled
-PPO), so `num_iterations`, the clip and `rollout.correction` see the real off-policy gap.
+with (`lagged/adapter-v<N>.safetensors`; the versions before are dropped as the run goes) and the data
+position after step t's own prompts (a worker takes later steps' prompts ahead). The learner's ratio is
+taken against the sampler's own log-probs (the "old" side is the policy that sampled, decoupled PPO), so
+`num_iterations` and the clip see the real off-policy gap; the metrics give the lag (`async/lag`), the
+k3 estimate of KL(sampler || learner) per token (`async/kl_sampler_learner`) and the `sampler/mismatch_*`
+of the learner's log-probs against the sampler's; `rollout.correction` weights by the same learner/sampler
+ratio. Every trace line names the version that sampled it (`policy_version`, `adapter_sha256`).
 
-Deliberately left out (not built yet): generation in a worker process of its own overlapping the update
-(the versions are swapped into the learner's model for the rollout, so the lag costs learning and buys no
-speed here), several training processes, the vLLM engine, and dynamic sampling (whose refill reads the
-same step's rewards); each is refused in one line.
+Where the sampling runs: with `rollout.async_worker_threads: 0` in the learner's process, the version
+swapped into its model between updates (no overlap: the reference the worker is tested against); with N > 0
+in a worker process of its own (`Ahead`, N torch threads) that holds the base model once, receives each new
+adapter version (the LoRA tensors only, a few MB) after every optimizer step and samples step t + 1 + k as
+soon as version t arrives, while the learner updates. Its results come back in step order; a worker that
+dies, or a result that does not come within `rollout.async_timeout_s`, ends the run in one line naming the
+step and version (the last checkpoint intact). The worker dies with the learner (PR_SET_PDEATHSIG).
+
+Deliberately left out (not built yet): several training processes, the vLLM engine (serving the versions as
+LoRA adapters), and dynamic sampling (whose refill reads the same step's rewards); each is refused in one
+line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
+import signal
+import threading
+import time
 from pathlib import Path
 
 import torch
 
+from .errors import TrainingError
+
 FOLDER = "lagged"
+LOAD_ALLOWANCE_S = 600.0  # the most a worker may take to load the model before its first answer
 
 
 class LaggedPolicies:
@@ -81,3 +100,173 @@ class LaggedPolicies:
         if missing:
             raise ValueError(f"{Path(folder).name} lacks the adapter versions {missing} that rollout.async_lag "
                              f"{self.lag} samples the next steps with")
+
+
+class Ahead:
+    """The worker process of a fixed lag: asked for step u's prompts (taken from the data order when asked)
+    and seeds with the version that samples u, it answers in step order (`take`). Messages go over one pipe
+    each way; the learner's side sends through a thread of its own, so a message of a few MB never waits for
+    a worker busy sampling (and, unlike a multiprocessing.Queue, no semaphore is left behind by a killed
+    worker)."""
+
+    def __init__(self, cfg, dtype: str, collector, lagged: LaggedPolicies, start: int):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.cfg, self.collector, self.lagged = cfg, collector, lagged
+        self.pending: dict[int, tuple[list[int], list[int], int]] = {}  # step -> (rows, seeds, version)
+        self.ready = False  # the worker has loaded the model
+        self.proc = ctx.Process(target=_work, name="docuchat-rl-sampler", daemon=True,
+                                args=(cfg.to_dict(), dtype, cfg.rollout.async_worker_threads, child, os.getpid()))
+        self.proc.start()
+        child.close()
+        self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._send_loop, name="docuchat-rl-sampler-send", daemon=True).start()
+        for v in sorted(lagged.versions):
+            self._outgoing.put(("version", v, _bytes(lagged.versions[v]), min(lagged.versions)))
+        for step in range(start + 1, start + 2 + lagged.lag):
+            self._request(step)
+
+    def _send_loop(self) -> None:
+        while True:
+            msg = self._outgoing.get()
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):  # (the worker is gone, or the pipe closed after it: `take` says so)
+                return
+            if msg is None:
+                return
+
+    def _request(self, step: int) -> None:
+        if step > self.cfg.run.steps:
+            return
+        idx, seeds = self.collector.take_prompts(step)
+        version = self.lagged.version_for(step)
+        self.pending[step] = (idx, seeds, version)
+        self._outgoing.put(("sample", step, version, [self.collector.prompt_texts[i] for i in idx], seeds))
+
+    def after_update(self, step: int) -> None:
+        """Version `step` exists: send it (the worker drops the versions no pending step needs) and ask for
+        the step it samples."""
+        self._outgoing.put(("version", step, _bytes(self.lagged.versions[step]), self.lagged.version_for(step + 1)))
+        self._request(step + 1 + self.lagged.lag)
+
+    def take(self, step: int):
+        """(rows, seeds, Generation) of `step`, waiting for the worker; a dead or silent worker is a
+        TrainingError in one line."""
+        idx, seeds, version = self.pending.pop(step)
+        limit = self.cfg.rollout.async_timeout_s
+        # (until the worker has loaded the model, loading's own allowance: a cold start under load is slow)
+        deadline = time.monotonic() + (limit if self.ready else max(limit, LOAD_ALLOWANCE_S))
+        while True:
+            ready = False
+            try:
+                ready = self.conn.poll(1.0)
+                kind, done, payload = self.conn.recv() if ready else (None, None, None)
+            except (EOFError, OSError):
+                ready = False
+                self.proc.join(timeout=5)
+            if not ready:
+                if not self.proc.is_alive():
+                    code = self.proc.exitcode
+                    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                    raise TrainingError(f"the sampler worker (pid {self.proc.pid}) died ({how}) while sampling "
+                                        f"step {step} with adapter version {version}; the last checkpoint is "
+                                        "intact") from None
+                if time.monotonic() > deadline:
+                    raise TrainingError(f"the sampler worker (pid {self.proc.pid}) did not deliver step {step} "
+                                        f"(adapter version {version}) within rollout.async_timeout_s ({limit:g} s); "
+                                        "the last checkpoint is intact") from None
+                continue
+            if kind == "ready":  # (loaded: the limit counts from here, not from the worker's start)
+                self.ready, deadline = True, time.monotonic() + limit
+                continue
+            if kind == "error":
+                raise TrainingError(f"the sampler worker failed on step {done} (adapter version {version}): "
+                                    f"{payload}")
+            if done == step:
+                return idx, seeds, payload
+
+    def close(self) -> None:
+        """Stop the worker: at once when it is still sampling ahead (not needed after the run), else let it
+        leave its loop."""
+        if self.proc.is_alive():
+            self._outgoing.put(None)  # (the sending thread delivers it after what it has; a stuck worker never
+            # reads it, so the wait is short and the kill follows)
+            self.proc.join(timeout=0.0 if self.pending else 5.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=10)
+        self.conn.close()
+
+
+def _bytes(state: dict[str, torch.Tensor]) -> bytes:
+    """An adapter version as safetensors bytes: plain data through the pipe (torch's tensor pickling would
+    share file descriptors through a server thread, which a stopped or killed worker leaves hanging)."""
+    import safetensors.torch
+
+    return safetensors.torch.save(state)
+
+
+def _work(cfg_dict: dict, dtype: str, threads: int, conn, parent: int) -> None:
+    """The worker process: the base model with the run's LoRA layout, sampling each asked step with the
+    adapter version it names, through the same function as the learner's process (rollout.sample_rows)."""
+    import ctypes
+    import warnings
+
+    import safetensors.torch
+    from peft import set_peft_model_state_dict
+
+    from .config import config_from_dict
+    from .fused_lora import fuse_lora
+    from .modeling import build_lora, disable_dropout, load_model_and_tokenizer
+    from .rollout import sample_rows
+
+    try:  # die with the learner, even a kill -9 of it
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        return
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)  # (cli.main)
+    from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
+
+    tqdm.set_lock(threading.RLock())  # (tqdm's default lock is a multiprocessing one, left behind by a kill)
+    hf_logging.disable_progress_bar()  # (the learner shows the loading)
+    torch.set_num_threads(threads)
+    cfg = config_from_dict(cfg_dict)
+    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, dtype, "cpu", cfg.model.trust_remote_code,
+                                          cfg.model.revision)
+    if cfg.model.disable_dropout:
+        disable_dropout(model)
+    model = build_lora(model, cfg.lora)
+    if cfg.lora.fused:
+        fuse_lora(model)
+    model.eval()
+    conn.send(("ready", None, None))
+    versions: dict[int, dict[str, torch.Tensor]] = {}
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        if msg[0] == "version":
+            _, v, state, keep_from = msg
+            versions[v] = safetensors.torch.load(state)
+            for old in [k for k in versions if k < keep_from]:
+                del versions[old]
+            continue
+        _, step, version, prompts, seeds = msg
+        try:
+            with torch.no_grad():
+                set_peft_model_state_dict(model, versions[version], adapter_name="default")
+                gen = sample_rows(model, tok, cfg.rollout, prompts, seeds)
+            reply = ("done", step, gen)
+        except Exception as e:  # (said by the learner in one line)
+            reply = ("error", step, f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return

@@ -128,10 +128,6 @@ class Learner:
         if needs.ref_logps:
             batch.ref_logps = self._pass(batch, values=False, reference=True)[0]
 
-    def policy_logps(self, batch: Batch) -> torch.Tensor:
-        """The learner's own log-probs of the batch's tokens now, no grad: [R, T]."""
-        return self._pass(batch, values=False)[0]
-
     def _pass(self, batch: Batch, values: bool, reference: bool = False):
         """One no-grad pass over the batch, micro-batch by micro-batch -> (log-probs [R, T], values [R, T]
         masked to the completion, or None)."""

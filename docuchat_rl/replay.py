@@ -143,6 +143,8 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
     raw["logging"].update(progress=progress, wandb=False)
     raw["eval"].update(every=None, before_and_after=False)
     raw["checkpoint"].update(every=10**9, keep_last=1)
+    if raw["rollout"].get("async_worker_threads"):  # (a fixed lag samples the same in the learner's process)
+        raw["rollout"]["async_worker_threads"] = 0
     cfg: Config = config_from_dict(raw)
     out: list[Replayed] = []
     trainer = None

@@ -129,6 +129,17 @@ def rewards_varied(group: list[RewardRecord]) -> bool:
     return len(totals) > 1 and max(totals) - min(totals) > 1e-8
 
 
+def sample_rows(model, tokenizer, r: RolloutConfig, prompts: list[str], seeds: list[int] | None,
+                lockstep=None) -> Generation:
+    """G completions of each prompt with the rollout's settings (merged adapter, engine, grouped decode), each
+    row from its own seed: a step's sampling, in the learner's process or in a fixed lag's worker (lag.py)."""
+    with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
+        return generate(model, tokenizer, prompts, max_new_tokens=r.max_new_tokens, do_sample=True,
+                        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
+                        num_return_sequences=r.num_generations, engine=r.engine, min_new_tokens=r.min_new_tokens,
+                        row_seeds=seeds, lockstep=lockstep, grouped_decode=r.grouped_decode)
+
+
 class Collector:
     """Samples and scores a step's groups with the current model (rollout + score phases).
 
@@ -146,6 +157,8 @@ class Collector:
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
         self.dist = dist or Dist()
         self.lockstep = lockstep  # sharded generation: every process makes the same model calls (generation.py)
+        self.ahead = None  # a fixed lag's worker process (lag.Ahead), set by run.start_run
+        self.taken: dict[int, dict] = {}  # step -> data position after its prompts were taken
 
     def sample(self, model, idx: list[int], seeds: list[int] | None = None) -> tuple[Generation, list[str]]:
         """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts;
@@ -158,13 +171,7 @@ class Collector:
                                      min_new_tokens=r.min_new_tokens, temperature=r.temperature, top_p=r.top_p,
                                      top_k=r.top_k)
             return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
-            gen = generate(model, self.tokenizer, [self.prompt_texts[i] for i in idx],
-                           max_new_tokens=r.max_new_tokens, do_sample=True, temperature=r.temperature,
-                           top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
-                           num_return_sequences=r.num_generations, engine=r.engine,
-                           min_new_tokens=r.min_new_tokens, row_seeds=seeds, lockstep=self.lockstep,
-                           grouped_decode=r.grouped_decode)
+        gen = sample_rows(model, self.tokenizer, r, [self.prompt_texts[i] for i in idx], seeds, self.lockstep)
         return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
 
     def collect(self, model, timer: Timer, step: int) -> Rollout:
@@ -172,6 +179,8 @@ class Collector:
         r, g, dist = self.cfg, self.cfg.num_generations, self.dist
         if self.vllm is not None:
             self.vllm.sync(model)  # the policy of the steps before this one
+        if self.ahead is not None:  # a fixed lag's worker process sampled this step already (lag.Ahead)
+            return self._collect_ahead(timer, step)
         completions: list[Completion] = []
         logged: dict[str, list[float]] = {}
         kept = rounds = sampled = 0  # over all processes
@@ -179,6 +188,7 @@ class Collector:
             n = r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step
             lo, hi = dist.share(n)
             idx = self.sampler.take(n)[lo:hi]  # this process's share of the round's prompts
+            self.taken[step] = self.sampler.state()
             examples = [self.examples[i] for i in idx for _ in range(g)]
             seeds = [row_seed(self.seed, step, sampled + lo + p, s) for p in range(len(idx)) for s in range(g)]
             varied, records = [], []
@@ -215,12 +225,41 @@ class Collector:
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
                 return Rollout(completions, sampled, kept, logged)
 
+    def data_state(self, step: int) -> dict:
+        """The data position after step `step`'s prompts were taken (what a checkpoint of `step` holds; a
+        fixed lag's worker takes prompts of later steps ahead)."""
+        for old in [k for k in self.taken if k < step - 1]:
+            del self.taken[old]
+        return self.taken.get(step, self.sampler.state())
+
+    def take_prompts(self, step: int) -> tuple[list[int], list[int]]:
+        """(prompt rows, row seeds) of `step`, taken now from the data order (one process; lag.Ahead)."""
+        g = self.cfg.num_generations
+        idx = self.sampler.take(self.cfg.prompts_per_step)
+        self.taken[step] = self.sampler.state()
+        return idx, [row_seed(self.seed, step, p, s) for p in range(len(idx)) for s in range(g)]
+
+    def _collect_ahead(self, timer: Timer, step: int) -> Rollout:
+        """`collect` for a step a fixed lag's worker sampled (one process, no dynamic sampling: lag.py)."""
+        g = self.cfg.num_generations
+        with timer("rollout"):  # (the wait for the worker: 0 when it sampled while the learner updated)
+            idx, seeds, gen = self.ahead.take(step)
+        texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        examples = [self.examples[i] for i in idx for _ in range(g)]
+        with timer("score"):
+            result = score(self.reward, examples, texts, gen, self.trainer_state(step))
+        completions = [Completion(example=examples[i], slot=i // g, sample=i % g, seed=seeds[i],
+                                  prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i],
+                                  sampler_logps=gen.logps[i], text=texts[i], truncated=gen.truncated[i],
+                                  reward=result.records[i], used=True, group=i // g) for i in range(len(examples))]
+        return Rollout(completions, len(idx), len(idx), result.metrics)
+
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state` (for shaping by training progress): a
         transformers.TrainerState with the steps completed before this one, the run's steps and the
         epoch reached in the data (fractional)."""
         from transformers import TrainerState
 
-        n = max(self.sampler.n, 1)
+        n, data = max(self.sampler.n, 1), self.taken.get(step, self.sampler.state())
         return TrainerState(global_step=step - 1, max_steps=self.max_steps,
-                            epoch=self.sampler.epoch + self.sampler.position / n)
+                            epoch=data["epoch"] + data["position"] / n)

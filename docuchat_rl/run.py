@@ -27,7 +27,7 @@ from .algorithms import Algorithm, get_algorithm_class
 from .checkpoint import TrainerState, check_resumable, load_training_state, resolve_resume
 from .config import Config
 from .data import DataError, Example, PromptSampler, load_split, render_prompt
-from .lag import LaggedPolicies
+from .lag import Ahead, LaggedPolicies
 from .distributed import (Dist, Sharding, ShardingError, held_bytes, on_cpu, shard_layers, sharding_from_launcher,
                           without_fsdp_env)
 from .errors import CheckpointError, CheckpointWarning, ModelError, TrainingError
@@ -122,6 +122,8 @@ class Run:
         self.outputs.close()
         if self.collector.vllm is not None:
             self.collector.vllm.close()
+        if self.collector.ahead is not None:
+            self.collector.ahead.close()
         if self.wandb is not None:
             self.wandb.finish()
         if self.lock is not None:
@@ -288,6 +290,8 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
                       tokenizer.pad_token_id, chunk, bool(place.sharded_layers), state.nonfinite_streak)
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
                           place.lockstep, max_steps=cfg.run.steps, vllm=vllm)
+    if lagged is not None and cfg.rollout.async_worker_threads:  # the worker samples ahead (lag.Ahead)
+        collector.ahead = Ahead(cfg, place.dtype, collector, lagged, state.step)
     wandb_run = None
     if cfg.logging.wandb and dist.is_main:
         import wandb

@@ -38,7 +38,6 @@ from .data import Example, PromptSampler, load_split
 from .distributed import gathered
 from .errors import Preempted, TrainingError
 from .generation import eos_ids
-from .losses import k3_kl
 from .memory import peak_mb, reset_peak
 from .modeling import adapter_digest
 from .preemption import Preemption, RandomState
@@ -105,14 +104,9 @@ class Trainer:
         """The no-grad passes the algorithm needs (old and reference log-probs, values), then its advantages."""
         with timer("advantages"):
             self.learner.score_rollout(batch)
-            lag = {}
             if self.run.lagged:  # fixed lag: every ratio against the policy that sampled (decoupled PPO)
-                learner = batch.old_logps if batch.old_logps is not None else self.learner.policy_logps(batch)
-                m = batch.completion_mask  # [R, T]
-                gap = (k3_kl(batch.sampler_logps, learner) * m).sum() / m.sum().clamp(min=1.0)
-                lag["async/kl_sampler_learner"] = float(gap)  # k3 estimate of KL(sampler || learner) per token
                 batch.old_logps = batch.sampler_logps
-            return {**self.learner.algo.advantages(batch), **lag}
+            return self.learner.algo.advantages(batch)
 
     def update(self, batch: Batch, timer: Timer, global_groups: list[int] | None = None) -> dict[str, float]:
         """The step's optimizer steps over the batch (learner.Learner.update)."""
@@ -177,7 +171,7 @@ class Trainer:
         """Every process takes part (each saves its random states); the main process writes the rest and
         completes the folder (see checkpoint.py)."""
         run, learner = self.run, self.learner
-        state = TrainerState(step=step, run_id=self.run_id, sampler=self.collector.sampler.state(),
+        state = TrainerState(step=step, run_id=self.run_id, sampler=self.collector.data_state(step),
                              offsets=run.outputs.offsets(), nonfinite_streak=learner.nonfinite_streak,
                              no_reward_streak=self._no_reward_steps, world_size=self.dist.world)
 
@@ -256,6 +250,8 @@ class Trainer:
         extra.update(self.update(batch, timer, rollout.global_groups))
         if self.run.lagged:
             self.run.lagged.record(step, self.learner.model)
+            if self.collector.ahead is not None:  # the worker gets version `step` and samples step step+1+k
+                self.collector.ahead.after_update(step)
             extra["async/lag"] = step - 1 - rollout.policy_version  # (steps the sampling policy is behind)
         if self.cfg.eval.every and self.cfg.data.test and step % self.cfg.eval.every == 0:
             self.on_phase("eval")

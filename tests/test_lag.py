@@ -80,3 +80,111 @@ def test_what_a_fixed_lag_does_not_support_yet_is_refused_in_one_line(tmp_path):
         cfg_for(tmp_path, "rollout.async_lag=1", "rollout.dynamic_sampling=true")
     with pytest.raises(ConfigError, match="rollout.async_lag is not built for rollout.engine vllm"):
         cfg_for(tmp_path, "rollout.async_lag=1", "rollout.engine=vllm")
+    with pytest.raises(ConfigError, match="rollout.async_worker_threads and rollout.async_timeout_s apply to "
+                                          "rollout.async_lag >= 1"):
+        cfg_for(tmp_path, "rollout.async_worker_threads=1")
+
+
+WORKER = ["rollout.async_lag=1", "rollout.async_worker_threads=1", "run.steps=5", "checkpoint.every=1"]
+
+
+def _cli(out, *sets, resume=False):
+    import sys
+
+    args = [sys.executable, "-m", "docuchat_rl", "train"]
+    for s in [*FAST_CLI, f"run.output_dir={out}", *sets]:
+        args += ["--set", s]
+    return args + (["--resume", "latest"] if resume else [])
+
+
+FAST_CLI = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_new_tokens=24",
+            "logging.progress=false", "eval.before_and_after=false", "run.threads=1"]
+
+
+def _worker_pid(learner: int) -> int:
+    """The sampler worker among the learner's children (spawn also starts a resource tracker)."""
+    import time
+    from pathlib import Path
+
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        for child in Path(f"/proc/{learner}/task/{learner}/children").read_text().split():
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+                return int(child)
+        time.sleep(0.1)
+    raise AssertionError("no worker process")
+
+
+@pytest.mark.slow
+def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side_resumes_exactly(tmp_path):
+    """The worker process (overlapping the update) gives the completions of the in-process reference and the
+    same losses to float noise; kill -9 of the worker is one line, kill -9 of the learner takes the worker
+    with it; either way --resume gives the uninterrupted run's traces and metrics."""
+    import math
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from .conftest import ROOT
+
+    ref, full = tmp_path / "inline", tmp_path / "worker"
+    assert subprocess.run(_cli(ref, *WORKER, "rollout.async_worker_threads=0"), cwd=ROOT).returncode == 0
+    assert subprocess.run(_cli(full, *WORKER), cwd=ROOT).returncode == 0
+    a, b = read_jsonl(ref / "traces.jsonl"), read_jsonl(full / "traces.jsonl")
+    assert [t["completion_ids"] for t in a] == [t["completion_ids"] for t in b]
+    for x, y in zip(read_jsonl(ref / "metrics.jsonl"), read_jsonl(full / "metrics.jsonl")):
+        assert x["async/lag"] == y["async/lag"] and math.isclose(x["loss"], y["loss"], rel_tol=1e-4, abs_tol=1e-7)
+    assert max(m["time/rollout"] for m in read_jsonl(full / "metrics.jsonl")[2:]) < 0.5  # sampled while updating
+
+    for side in ("worker", "learner"):
+        cut = tmp_path / f"kill-{side}"
+        proc = subprocess.Popen(_cli(cut, *WORKER), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        worker = _worker_pid(proc.pid)
+        while not (cut / "checkpoint-2").exists() and proc.poll() is None:
+            time.sleep(0.05)
+        os.kill(worker if side == "worker" else proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+        if side == "worker":
+            line = err.strip().splitlines()[-1]
+            assert proc.returncode == 2 and line.startswith("docuchat-rl: error: the sampler worker (pid ") \
+                and "died (signal 9) while sampling step" in line and "Traceback" not in err, err[-1500:]
+        else:
+            for _ in range(100):  # (PR_SET_PDEATHSIG: the worker goes with its learner)
+                if not os.path.exists(f"/proc/{worker}") or b"Z" in open(f"/proc/{worker}/stat", "rb").read().split()[2:3]:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError("the worker outlived its learner")
+        assert subprocess.run(_cli(cut, *WORKER, resume=True), cwd=ROOT).returncode == 0
+        for name in ("traces.jsonl", "metrics.jsonl"):
+            assert untimed(read_jsonl(cut / name)) == untimed(read_jsonl(full / name)), (side, name)
+
+
+@pytest.mark.slow
+def test_a_stuck_worker_ends_the_run_in_one_line_naming_the_step_and_version(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from .conftest import ROOT
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(_cli(out, *WORKER, "rollout.async_timeout_s=3"), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    worker = _worker_pid(proc.pid)
+    while not (out / "checkpoint-1").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(worker, signal.SIGSTOP)  # alive, and silent
+    try:
+        proc.wait(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # (the learner kills it as it leaves)
+            os.kill(worker, signal.SIGKILL)
+    err = proc.stderr.read().decode()
+    line = err.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "did not deliver step" in line and "(adapter version" in line \
+        and "within rollout.async_timeout_s (3 s)" in line and "Traceback" not in err, err[-1500:]

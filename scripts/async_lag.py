@@ -1,0 +1,79 @@
+"""rollout.async_lag measured side by side on one recipe: seconds per step and held-out accuracy at equal steps.
+
+    python scripts/async_lag.py --config config/default.yaml --steps 30
+    python scripts/async_lag.py --config config/smollm2.yaml --steps 10 --eval-limit 0
+
+Variants, each a fresh run in its own folder (run one after another, never side by side):
+- sync: async_lag 0, the learner given every core (run.threads = --threads);
+- lag k inline: the lagged policy sampled in the learner's process (no overlap), every core;
+- lag k worker: a worker process with --worker-threads samples ahead, the learner has the rest.
+Prints s/step (the step's phases summed, checkpoint and evaluation left out; median over the steps after the
+first two: the worker's start is in step 1), the phase
+times, the held-out accuracy after the last step (eval.limit rows; 0 skips it), and a model of the step
+time were generation and learning on separate devices: max(rollout, everything else) per step, from the
+synchronous run's measured phases (a model, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(config: str, out: Path, sets: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-m", "docuchat_rl", "train", "--config", config, "--set", f"run.output_dir={out}"]
+    for s in sets:
+        cmd += ["--set", s]
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="config/default.yaml")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--lags", default="1,2")
+    ap.add_argument("--threads", type=int, default=2, help="cores the synchronous loop gets")
+    ap.add_argument("--worker-threads", type=int, default=1, help="the worker's share (the learner: the rest)")
+    ap.add_argument("--eval-limit", type=int, default=100, help="held-out rows evaluated at the end (0: none)")
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    a = ap.parse_args()
+
+    common = [f"run.steps={a.steps}", "logging.progress=false", f"checkpoint.every={a.steps}", *a.sets,
+              "eval.every=null"] + ([f"eval.limit={a.eval_limit}", f"eval.every={a.steps}"] if a.eval_limit else [])
+    variants = [("sync", [f"run.threads={a.threads}"])]
+    for k in (int(x) for x in a.lags.split(",")):
+        variants.append((f"lag {k} inline", [f"rollout.async_lag={k}", f"run.threads={a.threads}"]))
+        variants.append((f"lag {k} worker", [f"rollout.async_lag={k}", f"run.threads={a.threads - a.worker_threads}",
+                                             f"rollout.async_worker_threads={a.worker_threads}"]))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, sets in variants:
+            sets = [*common, *sets, "eval.before_and_after=false"]
+            if a.eval_limit:
+                sets = [s for s in sets if s != "eval.every=null"]
+            m = _run(a.config, Path(tmp) / name.replace(" ", "-"), sets)
+            later = m[2:] or m
+            phase = {p: statistics.median(x.get(f"time/{p}", 0.0) for x in later)
+                     for p in ("rollout", "score", "advantages", "update", "log")}
+            step_s = statistics.median(sum(v for k, v in x.items() if k.startswith("time/")) for x in later)
+            rows.append({"variant": name, "s_per_step": round(step_s, 3), **{f"{k}_s": round(v, 3) for k, v in phase.items()},
+                         "accuracy": next((x.get("eval/accuracy") for x in reversed(m) if x.get("eval/accuracy")
+                                           is not None), None), "steps": len(m)})
+            print(json.dumps(rows[-1]), flush=True)
+    sync = rows[0]
+    rest = sum(sync[f"{p}_s"] for p in ("score", "advantages", "update", "log"))
+    print(json.dumps({"model": "separate devices (from the sync run's phases)", "sync_step_s":
+                      round(sync["rollout_s"] + rest, 3), "overlapped_step_s": round(max(sync["rollout_s"], rest), 3),
+                      "speedup": round((sync["rollout_s"] + rest) / max(sync["rollout_s"], rest, 1e-9), 2)}))
+
+
+if __name__ == "__main__":
+    main()
