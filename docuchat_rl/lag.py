@@ -19,9 +19,11 @@ soon as version t arrives, while the learner updates. Its results come back in s
 dies, or a result that does not come within `rollout.async_timeout_s`, ends the run in one line naming the
 step and version (the last checkpoint intact). The worker dies with the learner (PR_SET_PDEATHSIG).
 
-Deliberately left out (not built yet): several training processes, the vLLM engine (serving the versions as
-LoRA adapters), and dynamic sampling (whose refill reads the same step's rewards); each is refused in one
-line.
+Several data-parallel processes: each learner process has a worker of its own for its share of the prompts.
+
+Deliberately left out (not built yet): FSDP2 sharding (a worker holds the whole model), the vLLM engine
+(serving the versions as LoRA adapters), and dynamic sampling (whose refill reads the same step's rewards);
+each is refused in one line.
 """
 
 from __future__ import annotations
@@ -109,14 +111,15 @@ class Ahead:
     a worker busy sampling (and, unlike a multiprocessing.Queue, no semaphore is left behind by a killed
     worker)."""
 
-    def __init__(self, cfg, dtype: str, collector, lagged: LaggedPolicies, start: int):
+    def __init__(self, cfg, dtype: str, device: str, collector, lagged: LaggedPolicies, start: int):
         ctx = torch.multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.cfg, self.collector, self.lagged = cfg, collector, lagged
         self.pending: dict[int, tuple[list[int], list[int], int]] = {}  # step -> (rows, seeds, version)
         self.ready = False  # the worker has loaded the model
         self.proc = ctx.Process(target=_work, name="docuchat-rl-sampler", daemon=True,
-                                args=(cfg.to_dict(), dtype, cfg.rollout.async_worker_threads, child, os.getpid()))
+                                args=(cfg.to_dict(), dtype, device, cfg.rollout.async_worker_threads, child,
+                                      os.getpid()))
         self.proc.start()
         child.close()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
@@ -207,7 +210,7 @@ def _bytes(state: dict[str, torch.Tensor]) -> bytes:
     return safetensors.torch.save(state)
 
 
-def _work(cfg_dict: dict, dtype: str, threads: int, conn, parent: int) -> None:
+def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: int) -> None:
     """The worker process: the base model with the run's LoRA layout, sampling each asked step with the
     adapter version it names, through the same function as the learner's process (rollout.sample_rows)."""
     import ctypes
@@ -235,7 +238,7 @@ def _work(cfg_dict: dict, dtype: str, threads: int, conn, parent: int) -> None:
     hf_logging.disable_progress_bar()  # (the learner shows the loading)
     torch.set_num_threads(threads)
     cfg = config_from_dict(cfg_dict)
-    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, dtype, "cpu", cfg.model.trust_remote_code,
+    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, dtype, device, cfg.model.trust_remote_code,
                                           cfg.model.revision)
     if cfg.model.disable_dropout:
         disable_dropout(model)

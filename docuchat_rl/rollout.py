@@ -233,26 +233,32 @@ class Collector:
         return self.taken.get(step, self.sampler.state())
 
     def take_prompts(self, step: int) -> tuple[list[int], list[int]]:
-        """(prompt rows, row seeds) of `step`, taken now from the data order (one process; lag.Ahead)."""
-        g = self.cfg.num_generations
-        idx = self.sampler.take(self.cfg.prompts_per_step)
+        """(this process's prompt rows, their row seeds) of `step`, taken now from the data order (lag.Ahead)."""
+        g, n = self.cfg.num_generations, self.cfg.prompts_per_step
+        lo, hi = self.dist.share(n)
+        idx = self.sampler.take(n)[lo:hi]  # (every process walks the whole order and keeps its share)
         self.taken[step] = self.sampler.state()
-        return idx, [row_seed(self.seed, step, p, s) for p in range(len(idx)) for s in range(g)]
+        return idx, [row_seed(self.seed, step, lo + p, s) for p in range(len(idx)) for s in range(g)]
 
     def _collect_ahead(self, timer: Timer, step: int) -> Rollout:
-        """`collect` for a step a fixed lag's worker sampled (one process, no dynamic sampling: lag.py)."""
-        g = self.cfg.num_generations
+        """`collect` for a step a fixed lag's worker sampled (no dynamic sampling: every group is used, the
+        group of a prompt is its slot)."""
+        g, n = self.cfg.num_generations, self.cfg.prompts_per_step
+        lo, _ = self.dist.share(n)
         with timer("rollout"):  # (the wait for the worker: 0 when it sampled while the learner updated)
             idx, seeds, gen = self.ahead.take(step)
         texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
         examples = [self.examples[i] for i in idx for _ in range(g)]
-        with timer("score"):
-            result = score(self.reward, examples, texts, gen, self.trainer_state(step))
-        completions = [Completion(example=examples[i], slot=i // g, sample=i % g, seed=seeds[i],
+        result = None
+        if idx:
+            with timer("score"):
+                result = score(self.reward, examples, texts, gen, self.trainer_state(step))
+        completions = [Completion(example=examples[i], slot=lo + i // g, sample=i % g, seed=seeds[i],
                                   prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i],
                                   sampler_logps=gen.logps[i], text=texts[i], truncated=gen.truncated[i],
-                                  reward=result.records[i], used=True, group=i // g) for i in range(len(examples))]
-        return Rollout(completions, len(idx), len(idx), result.metrics)
+                                  reward=result.records[i], used=True, group=lo + i // g)
+                       for i in range(len(examples))]
+        return Rollout(completions, n, n, result.metrics if result else {})
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state` (for shaping by training progress): a

@@ -272,9 +272,9 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     dist.broadcast_(params)  # every process trains the main process's initial (or resumed) weights
     lagged = None
     if cfg.rollout.async_lag:  # the adapter versions the next steps sample with (lag.py)
-        if dist.active or place.sharding is not None:
-            raise TrainingError("rollout.async_lag is built for one training process (not yet several, nor "
-                                "FSDP2): run it without a launcher, or set rollout.async_lag=0")
+        if place.sharding is not None:
+            raise TrainingError("rollout.async_lag is not built for FSDP2 sharding yet (a worker holds the whole "
+                                "model): use data-parallel processes, or set rollout.async_lag=0")
         lagged = LaggedPolicies(cfg.rollout.async_lag)
         if resume_dir:
             try:
@@ -291,7 +291,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
                           place.lockstep, max_steps=cfg.run.steps, vllm=vllm)
     if lagged is not None and cfg.rollout.async_worker_threads:  # the worker samples ahead (lag.Ahead)
-        collector.ahead = Ahead(cfg, place.dtype, collector, lagged, state.step)
+        collector.ahead = Ahead(cfg, place.dtype, str(dist.device), collector, lagged, state.step)
     wandb_run = None
     if cfg.logging.wandb and dist.is_main:
         import wandb

@@ -135,6 +135,8 @@ A2C = ["rollout.num_generations=1", "rollout.prompts_per_step=8", "optim.micro_b
        "algorithm.critic_backbone=separate", "algorithm.n_steps=8", "optim.warmup_steps=2", "optim.schedule=cosine"]
 
 
+ASYNC = ["rollout.async_lag=1", "rollout.async_worker_threads=1", "algorithm.num_iterations=2", "optim.minibatch_size=8",
+         "optim.micro_batch_size=4", "optim.schedule=cosine", "optim.warmup_steps=3"]
 SHARDED_GENERATION = ["rollout.sharded_generation=true"]  # (FSDP2 only) decoding in lockstep on sharded weights
 UNMERGED = ["rollout.merge_adapter=false"]
 
@@ -151,8 +153,9 @@ UNMERGED = ["rollout.merge_adapter=false"]
     ("default", DYNAMIC + EVAL + UNMERGED, SHARDED_GENERATION),
     ("ppo", PPO, []),
     ("a2c", A2C + UNMERGED + ["rollout.engine=hf"], SHARDED_GENERATION),
+    ("default", ASYNC, None),  # a fixed lag: each process's worker samples its share ahead
 ], ids=["grpo", "ppo", "a2c-separate-critic", "grpo-dynamic-sampling", "fsdp2-grpo-dynamic-sampling", "fsdp2-ppo",
-        "fsdp2-a2c-separate-critic-hf-engine"])
+        "fsdp2-a2c-separate-critic-hf-engine", "grpo-async-lag-workers"])
 def test_two_processes_equal_one(launched, recipe, sets, fsdp):
     opts = ["run.steps=3", "checkpoint.every=3", *sets]
     one_dir, _ = launched(1, *opts, recipe=recipe)
