@@ -14,6 +14,9 @@ model: totals, per-component deltas and, for a critic-free algorithm (GRPO), the
 would have had. Its output file is trace lines (the same schema, new values, the old ones under `before`),
 so `docuchat-rl audit` reads it like a run.
 
+A fixed lag's run (`rollout.async_lag`) is rebuilt with its own sampling arrangement (the worker process and
+the thread counts it trained with), whose numbers the learner's weights depend on.
+
 Deliberately left out: replaying a multi-process run bit-exactly (each process sampled its share in
 batches of its own; a one-process replay samples them in one), and rescoring a reward that reads
 `trainer_state.epoch` (rescore passes the step, not the data position).
@@ -143,8 +146,6 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
     raw["logging"].update(progress=progress, wandb=False)
     raw["eval"].update(every=None, before_and_after=False)
     raw["checkpoint"].update(every=10**9, keep_last=1)
-    if raw["rollout"].get("async_worker_threads"):  # (a fixed lag samples the same in the learner's process)
-        raw["rollout"]["async_worker_threads"] = 0
     cfg: Config = config_from_dict(raw)
     out: list[Replayed] = []
     trainer = None
@@ -153,7 +154,8 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
             group = list(group)
             target = step - 1
             folder, at = _start_step(run_dir, target, first)
-            if trainer is None or not at <= trainer.step <= target:
+            # (a fixed lag's worker took the next steps' prompts ahead: its rebuild serves one step only)
+            if trainer is None or not at <= trainer.step <= target or trainer.collector.ahead is not None:
                 if trainer is not None:
                     trainer.close()
                     shutil.rmtree(tmp / "run", ignore_errors=True)

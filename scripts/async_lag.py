@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="cores the synchronous loop gets")
     ap.add_argument("--worker-threads", type=int, default=1, help="the worker's share (the learner: the rest)")
     ap.add_argument("--eval-limit", type=int, default=100, help="held-out rows evaluated at the end (0: none)")
+    ap.add_argument("--no-inline", action="store_true", help="leave out the in-process lag variants")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     a = ap.parse_args()
 
@@ -50,7 +51,8 @@ def main() -> None:
               "eval.every=null"] + ([f"eval.limit={a.eval_limit}", f"eval.every={a.steps}"] if a.eval_limit else [])
     variants = [("sync", [f"run.threads={a.threads}"])]
     for k in (int(x) for x in a.lags.split(",")):
-        variants.append((f"lag {k} inline", [f"rollout.async_lag={k}", f"run.threads={a.threads}"]))
+        if not a.no_inline:
+            variants.append((f"lag {k} inline", [f"rollout.async_lag={k}", f"run.threads={a.threads}"]))
         variants.append((f"lag {k} worker", [f"rollout.async_lag={k}", f"run.threads={a.threads - a.worker_threads}",
                                              f"rollout.async_worker_threads={a.worker_threads}"]))
     rows = []

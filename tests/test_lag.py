@@ -137,6 +137,10 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
     for x, y in zip(read_jsonl(ref / "metrics.jsonl"), read_jsonl(full / "metrics.jsonl")):
         assert x["async/lag"] == y["async/lag"] and math.isclose(x["loss"], y["loss"], rel_tol=1e-4, abs_tol=1e-7)
     assert max(m["time/rollout"] for m in read_jsonl(full / "metrics.jsonl")[2:]) < 0.5  # sampled while updating
+    from docuchat_rl.replay import replay  # a worker run replays with its worker (same threads, same numbers)
+
+    lines = [t for t in b if t["step"] in (2, 4)][::5]
+    assert all(r.same for r in replay(full, lines, progress=False, say=lambda s: None))
 
     for side in ("worker", "learner"):
         cut = tmp_path / f"kill-{side}"
