@@ -31,7 +31,8 @@ def _number(kind, low, high=None, low_open=False):
             raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
         if v != v or (v <= low if low_open else v < low) or (high is not None and v > high):
             bound = f"above {low}" if low_open else f"at least {low}"
-            raise argparse.ArgumentTypeError(f"{text} must be {bound}" + (f" and at most {high}" if high is not None else ""))
+            most = f" and at most {high}" if high is not None else ""
+            raise argparse.ArgumentTypeError(f"{text} must be {bound}{most}")
         return v
     return parse
 
@@ -395,6 +396,7 @@ def _replay_lines(args) -> list[dict]:
 def cmd_replay(args) -> int:
     """Replay traced completions (replay.replay); exit 1 when one diverges."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from .replay import replay
@@ -411,12 +413,12 @@ def cmd_replay(args) -> int:
         if r.same:
             verdict = f"[green]token for token the traced completion ({len(r.ids)} tokens)[/]"
         else:
-            tok = _tokenizer_of(args.run)
-            j, old = r.diverges_at, t["completion_ids"]
-            piece = (lambda ids: repr(tok.decode(ids[j:j + 1])) if j < len(ids) else "(ended)")
-            verdict = (f"[red]diverges at token {j}[/] of {len(old)} traced / {len(r.ids)} now: traced "
-                       f"{piece(old)} (log-prob {r.traced_logp if r.traced_logp is None else round(r.traced_logp, 4)})"
-                       f", now {piece(r.ids)} (log-prob {r.new_logp if r.new_logp is None else round(r.new_logp, 4)})")
+            def logp(v: float | None) -> str:
+                return "-" if v is None else f"{v:.4f}"
+
+            verdict = (f"[red]diverges at token {r.diverges_at}[/] of {len(t['completion_ids'])} traced / "
+                       f"{len(r.ids)} now: traced {escape(r.traced_piece)} (log-prob {logp(r.traced_logp)}), "
+                       f"now {escape(r.new_piece)} (log-prob {logp(r.new_logp)})")
         table = Table(show_edge=False)
         for col in ("component", "traced", "now"):
             table.add_column(col)
@@ -432,34 +434,19 @@ def cmd_replay(args) -> int:
     return 0 if all(r.same for r in results) else 1
 
 
-def _tokenizer_of(run: str):
-    from transformers import AutoTokenizer
-
-    from .replay import run_config
-
-    return AutoTokenizer.from_pretrained(run_config(Path(run))["model"]["name_or_path"])
-
-
 def cmd_rescore(args) -> int:
     """Rescore a run's traces (replay.rescore): the changed completions, and the rescored lines with --out."""
     from rich.console import Console
     from rich.table import Table
 
-    from .config import load_config
+    from .config import config_from_dict, load_config
     from .outputs import JsonlWriter
-    from .replay import component_deltas, rescore
+    from .replay import component_deltas, rescore, run_config
 
-    cfg = load_config(args.config, args.overrides) if args.config or args.overrides else None
-    if cfg is None:
-        result = rescore(args.run)
-    else:
-        if args.config is None:  # --set alone: on top of the run's own recipe
-            from .config import config_from_dict
-            from .replay import run_config
-
-            run = Path(args.run)
-            cfg = config_from_dict(run_config(run if run.is_dir() else run.parent), args.overrides)
-        result = rescore(args.run, cfg)
+    run = Path(args.run)  # --config, else the run's own recipe; then --set
+    cfg = load_config(args.config, args.overrides) if args.config else \
+        config_from_dict(run_config(run if run.is_dir() else run.parent), args.overrides)
+    result = rescore(args.run, cfg)
     if args.out:
         out = JsonlWriter(Path(args.out), truncate_to=0)
         out.write(result.lines)

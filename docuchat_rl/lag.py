@@ -64,6 +64,12 @@ class LaggedPolicies:
         for old in [v for v in self.versions if v < version - self.lag]:
             del self.versions[old]
 
+    def digest(self, version: int) -> str | None:
+        """The adapter digest of a kept version (modeling.state_digest: the same as the model's with it in)."""
+        from .modeling import state_digest
+
+        return state_digest(self.versions[version])
+
     @contextlib.contextmanager
     def active(self, model, version: int):
         """The block runs with adapter `version` in the model's LoRA weights (the current ones put back after,

@@ -329,14 +329,18 @@ def merged_adapter(model):
 
 
 def adapter_digest(model) -> str | None:
-    """sha256 (first 16 hex digits) of the policy adapter's tensors, by name in sorted order and their bytes
-    as stored: the identity of a policy version (the trace's `adapter_sha256`; `docuchat-rl replay` checks
-    the policy it rebuilt against it). None for sharded weights (a process holds a shard only)."""
-    import hashlib
-
+    """sha256 (first 16 hex digits) of the policy adapter's tensors (`state_digest`): the identity of a policy
+    version (the trace's `adapter_sha256`; `docuchat-rl replay` checks the policy it rebuilt against it)."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(model, adapter_name="default")
+    return state_digest(get_peft_model_state_dict(model, adapter_name="default"))
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str | None:
+    """sha256 (first 16 hex digits) of an adapter state, by name in sorted order and the tensors' bytes as
+    stored; None for sharded weights (a process holds a shard only)."""
+    import hashlib
+
     h = hashlib.sha256()
     for name in sorted(state):
         t = state[name].detach()

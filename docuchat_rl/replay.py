@@ -74,6 +74,8 @@ class Replayed:
     diverges_at: int | None  # the first token index that differs (None: token for token the traced one)
     traced_logp: float | None  # at the divergence: the rebuilt policy's log-prob of the traced token
     new_logp: float | None  # ... and of the token it samples now
+    traced_piece: str | None  # at the divergence: the traced token's text (repr), "(ended)" past its end
+    new_piece: str | None  # ... and the text of the token sampled now
     now: dict[str, float | None]  # each component's raw score now (today's reward code)
     total_now: float
     text: str
@@ -86,6 +88,7 @@ class Replayed:
         t = self.trace
         return {"step": t["step"], "prompt_id": t["prompt_id"], "sample": t["sample"], "same": self.same,
                 "diverges_at": self.diverges_at, "traced_logp": self.traced_logp, "new_logp": self.new_logp,
+                "traced_piece": self.traced_piece, "new_piece": self.new_piece,
                 "tokens_traced": len(t["completion_ids"]), "tokens_now": len(self.ids),
                 "traced": {k: c["raw"] for k, c in t["rewards"].items()}, "now": self.now,
                 "total_traced": t["total"], "total_now": self.total_now, "completion_now": self.text}
@@ -104,7 +107,7 @@ def _check_replayable(traces: list[dict], cfg: dict) -> None:
             if was != now[lib]:
                 raise ReplayError(f"{_where(t)} was sampled with {lib} {was}, this environment has {now[lib]}: "
                                   f"the numbers would differ; replay where {lib} {was} is installed")
-        if engine is not None and engine != cfg["rollout"]["engine"] and cfg["rollout"]["engine"] != "auto":
+        if engine is not None and engine != cfg["rollout"]["engine"]:  # (a saved config's engine is decided)
             raise ReplayError(f"{_where(t)} was sampled by the {engine} engine, the run's config says "
                               f"{cfg['rollout']['engine']}")
 
@@ -129,9 +132,7 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
     import torch
 
     from .batch import build_batch
-    from .data import PromptSampler
     from .forward import policy_forward
-    from .preemption import RandomState
     from .rollout import Timer
     from .trainer import Trainer
 
@@ -167,10 +168,7 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
                 + (f", {todo} step{'s' * (todo != 1)} to run first" if todo else ""))
             if todo:
                 trainer.train(stop_after=target)
-            rng, data = RandomState.capture(), trainer.collector.sampler.state()
-            rollout = trainer.collect(Timer())  # step `step` sampled and scored again, as in training
-            rng.restore()  # (a later step's rebuild goes on from here, as if this never ran)
-            trainer.collector.sampler = PromptSampler(len(trainer.run.examples), cfg.run.seed, **data)
+            rollout = trainer.resample(Timer())  # step `step` sampled and scored again, as in training
             traced = {t.get("adapter_sha256") for t in group} - {None}
             if traced and traced != {rollout.adapter_sha256}:
                 raise ReplayError(f"the rebuilt policy of step {rollout.policy_version} has adapter "
@@ -187,14 +185,17 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
                 j = next((i for i, (a, b) in enumerate(zip(old, c.ids)) if a != b),
                          None if len(old) == len(c.ids) else min(len(old), len(c.ids)))
                 traced_lp = new_lp = None
+                tok = trainer.run.tokenizer
                 if j is not None and j < len(old) and j < len(c.ids):
-                    r = cfg.rollout
-                    batch = build_batch([c.prompt_ids], [old], [0.0], [0], trainer.run.tokenizer.pad_token_id)
-                    with torch.no_grad():
+                    r = cfg.rollout  # (the traced token under the policy that sampled, as the sampler scores)
+                    batch = build_batch([c.prompt_ids], [old], [0.0], [0], tok.pad_token_id)
+                    with torch.no_grad(), trainer.sampling_policy(step):
                         lp = policy_forward(trainer.learner.model, batch.to(trainer.dist.device),
                                             temperature=r.temperature, top_k=r.top_k, top_p=r.top_p).logps
                     traced_lp, new_lp = float(lp[0, j]), float(c.sampler_logps[j])
-                out.append(Replayed(t, list(c.ids), j, traced_lp, new_lp,
+                pieces = (None, None) if j is None else tuple(
+                    repr(tok.decode(ids[j:j + 1])) if j < len(ids) else "(ended)" for ids in (old, c.ids))
+                out.append(Replayed(t, list(c.ids), j, traced_lp, new_lp, *pieces,
                                     {k: v.raw for k, v in c.reward.components.items()}, c.reward.total, c.text))
     finally:
         if trainer is not None:
@@ -217,13 +218,12 @@ class Rescored:
 def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
     """Score every completion of the run's traces with today's reward code and `cfg` (default: the run's own
     config), step by step as in training; recompute GRPO-style group advantages from the new totals."""
-    import torch
     from transformers import TrainerState
 
     from .algorithms import ActorCritic, get_algorithm_class
-    from .batch import build_batch
     from .data import load_split
     from .generation import Generation
+    from .rollout import Completion, Rollout
     from .scoring import build_reward, score
 
     run_dir = Path(run_dir)
@@ -257,22 +257,17 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
         state = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
         new = score(reward, examples, [t["completion"] for t in group], gen, state).records
         adv: list[float | None] = [None] * len(group)
-        used = [i for i, t in enumerate(group) if t.get("used", True) and t.get("group") is not None]
-        if result.advantages and used:
-            groups = sorted({group[i]["group"] for i in used})
-            local = {g: k for k, g in enumerate(groups)}
-            order = sorted(used, key=lambda i: (local[group[i]["group"]], group[i]["sample"]))
-            nan = float("nan")
-            batch = build_batch([[0]] * len(order), [ids[i] for i in order], [new[i].total for i in order],
-                                [local[group[i]["group"]] for i in order], 0,
-                                reward_valid=[not new[i].total_missing for i in order],
-                                trained=[not (cfg.algorithm.mask_truncated_completions and group[i]["truncated"])
-                                         for i in order],
-                                component_rewards=[[nan if c.raw is None or c.error else c.raw
-                                                    for c in new[i].components.values()] for i in order])
-            algo.advantages(batch)
-            for i, a in zip(order, algo.trace_fields(batch)["advantage"]):
-                adv[i] = float(a)
+        if result.advantages:  # the new totals through the run's own batch and estimator (Rollout.batch)
+            comps = [Completion(e, t.get("slot") or 0, t["sample"], t.get("seed") or 0, [0], i, [0.0] * len(i),
+                                t["completion"], t["truncated"], rec,
+                                t.get("used", True) and t.get("group") is not None, t.get("group"))
+                     for e, t, i, rec in zip(examples, group, ids, new)]
+            rollout = Rollout(comps, len(group), 0)
+            if rollout.used:
+                batch = rollout.batch(0, cfg.algorithm.mask_truncated_completions)
+                algo.advantages(batch)
+                values = iter(algo.trace_fields(batch)["advantage"])
+                adv = [float(next(values)) if c.used else None for c in comps]
         for t, rec, a in zip(group, new, adv):
             line = {**t, "rewards": {k: c.as_dict() for k, c in rec.components.items()}, "total": rec.total,
                     "total_missing": rec.total_missing,
@@ -281,12 +276,14 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
             if result.advantages:
                 line["advantage"] = a
             result.lines.append(line)
-            moved = abs(rec.total - t["total"]) > 1e-9 or (
-                result.advantages and (a is None) != (t.get("advantage") is None)) or (
-                result.advantages and a is not None and abs(a - t["advantage"]) > 1e-6)
-            if moved:
+            if abs(rec.total - t["total"]) > 1e-9 or (result.advantages and not _same(a, t.get("advantage"))):
                 result.changed.append(line)
     return result
+
+
+def _same(a: float | None, b: float | None) -> bool:
+    """Two advantages agree (to float noise; None only with None)."""
+    return a is None and b is None or (a is not None and b is not None and abs(a - b) <= 1e-6)
 
 
 def component_deltas(line: dict) -> dict[str, tuple[float | None, float | None]]:

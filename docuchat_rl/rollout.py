@@ -248,17 +248,15 @@ class Collector:
         with timer("rollout"):  # (the wait for the worker: 0 when it sampled while the learner updated)
             idx, seeds, gen = self.ahead.take(step)
         texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        examples = [self.examples[i] for i in idx for _ in range(g)]
-        result = None
-        if idx:
-            with timer("score"):
-                result = score(self.reward, examples, texts, gen, self.trainer_state(step))
+        examples = [self.examples[i] for i in idx for _ in range(g)]  # (every process has prompts: P divides)
+        with timer("score"):
+            result = score(self.reward, examples, texts, gen, self.trainer_state(step))
         completions = [Completion(example=examples[i], slot=lo + i // g, sample=i % g, seed=seeds[i],
                                   prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i],
                                   sampler_logps=gen.logps[i], text=texts[i], truncated=gen.truncated[i],
                                   reward=result.records[i], used=True, group=lo + i // g)
                        for i in range(len(examples))]
-        return Rollout(completions, n, n, result.metrics if result else {})
+        return Rollout(completions, n, n, result.metrics)
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state` (for shaping by training progress): a

@@ -168,6 +168,9 @@ def _launch(cfg: Config) -> Placement:
         raise TrainingError(f"the accelerate config's mixed_precision ({accelerator.mixed_precision}) is not "
                             "used by docuchat-rl, whose model runs in model.dtype: set model.dtype (bfloat16) "
                             "instead and mixed_precision: 'no'")
+    if cfg.rollout.async_lag and sharding:
+        raise TrainingError("rollout.async_lag is not built for FSDP2 sharding yet (a worker holds the whole model): "
+                            "use data-parallel processes, or set rollout.async_lag=0")
     if cfg.rollout.sharded_generation and not sharding:
         raise TrainingError("rollout.sharded_generation applies only to runs sharded by an FSDP accelerate "
                             "config (accelerate launch --config_file config/accelerate/fsdp2.yaml)")
@@ -225,8 +228,6 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         raise TrainingError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the "
                             f"number of processes ({dist.world}): each process samples whole groups")
     examples = examples if examples is not None else load_split(cfg.data, "train")
-    if not examples:
-        raise DataError(f"{cfg.data.train}: no training rows")
     if len(examples) < cfg.rollout.prompts_per_step:  # (an epoch's permutation must fill a step)
         raise DataError(f"{cfg.data.train}: {len(examples)} training row{'s' * (len(examples) != 1)}, fewer than "
                         f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}): a step would sample a prompt "
@@ -272,9 +273,6 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     dist.broadcast_(params)  # every process trains the main process's initial (or resumed) weights
     lagged = None
     if cfg.rollout.async_lag:  # the adapter versions the next steps sample with (lag.py)
-        if place.sharding is not None:
-            raise TrainingError("rollout.async_lag is not built for FSDP2 sharding yet (a worker holds the whole "
-                                "model): use data-parallel processes, or set rollout.async_lag=0")
         lagged = LaggedPolicies(cfg.rollout.async_lag)
         if resume_dir:
             try:

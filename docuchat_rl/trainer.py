@@ -82,15 +82,42 @@ class Trainer:
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
         """Rollout and score phases of the next step (see rollout.Collector), on gathered weights when sharded."""
-        place = self.run.place
-        step, lagged, model = self.step + 1, self.run.lagged, self.learner.model
-        version = lagged.version_for(step) if lagged else step - 1  # the policy that samples this step
-        with lagged.active(model, version) if lagged else contextlib.nullcontext():
-            digest = adapter_digest(model)  # (for the traces)
+        place, step = self.run.place, self.step + 1
+        version, digest = self.policy_of(step)
+        # (a fixed lag's worker samples with its own copy: the learner's model keeps its weights)
+        with self.sampling_policy(step) if self.collector.ahead is None else contextlib.nullcontext():
             with gathered(place.gather_for_generation, place.sharding):
-                rollout = self.collector.collect(model, timer, step)
+                rollout = self.collector.collect(self.learner.model, timer, step)
         rollout.adapter_sha256, rollout.policy_version = digest, version
         return rollout
+
+    def policy_of(self, step: int) -> tuple[int, str | None]:
+        """(version, adapter digest) of the policy that samples `step`: the adapter after step `version`, the
+        current one (step - 1) unless rollout.async_lag keeps an older one (lag.py)."""
+        lagged = self.run.lagged
+        if lagged:
+            version = lagged.version_for(step)
+            return version, lagged.digest(version)
+        return step - 1, adapter_digest(self.learner.model)
+
+    def sampling_policy(self, step: int):
+        """A context in which the learner's model holds the policy that samples `step` (the current weights
+        put back after)."""
+        lagged = self.run.lagged
+        return lagged.active(self.learner.model, lagged.version_for(step)) if lagged else contextlib.nullcontext()
+
+    def resample(self, timer: Timer) -> Rollout:
+        """The next step sampled and scored again, as `collect` does it, with the random draws and the data
+        position put back after: the loop goes on as if it never ran (docuchat-rl replay)."""
+        rng, data = RandomState.capture(), self.collector.sampler.state()
+        try:
+            return self.collect(timer)
+        finally:
+            self._rewind(rng, data)
+
+    def _rewind(self, rng: RandomState, data: dict) -> None:
+        rng.restore()
+        self.collector.sampler = PromptSampler(len(self.run.examples), self.cfg.run.seed, **data)
 
     def prepare(self, rollout: Rollout) -> Batch:
         """This process's used groups as a batch on the training device (it may have none of them)."""
@@ -243,8 +270,7 @@ class Trainer:
             batch = self.prepare(rollout)
         extra = self.advantages(batch, timer)
         if self.preemption.requested():  # safe point: nothing of this step is applied or written yet
-            rng.restore()
-            self.collector.sampler = PromptSampler(len(self.run.examples), self.cfg.run.seed, **data)
+            self._rewind(rng, data)
             self._stop()
         self.on_phase("update")
         extra.update(self.update(batch, timer, rollout.global_groups))

@@ -131,6 +131,15 @@ def _main_thread_deadline(seconds: float):
         signal.signal(_DEADLINE_SIGNAL, previous)
 
 
+def _checked(scores: Any, n: int) -> list:
+    """A component's result for `n` completions: a list or tuple of that length, else the error it records."""
+    if not isinstance(scores, (list, tuple)):
+        raise TypeError(f"returned {type(scores).__name__}, expected a list")
+    if len(scores) != n:
+        raise ValueError(f"returned {len(scores)} values for {n} completions")
+    return list(scores)
+
+
 class RewardFailure(RuntimeError):
     """Raised in strict mode: which reward failed, and how."""
 
@@ -216,13 +225,9 @@ class CompositeReward:
                 self._worker.abandon()
                 self._worker = None
                 raise TimeoutError(f"exceeded the {self.timeout_s:g} s time limit") from None
-        if not isinstance(scores, (list, tuple)):
-            raise TypeError(f"returned {type(scores).__name__}, expected a list")
-        if len(scores) != len(completions):
-            raise ValueError(f"returned {len(scores)} values for {len(completions)} completions")
-        return list(scores)
+        return _checked(scores, len(completions))
 
-    def _wait(self, started: tuple[float, Future | BaseException], reward: Reward) -> list[Score]:
+    def _wait(self, started: tuple[float, Future | BaseException], reward: Reward, n: int) -> list[Score]:
         """An async component's values: its future, under the time limit counted from its start."""
         t0, future = started
         if isinstance(future, BaseException):  # (the call itself failed before it could start)
@@ -231,7 +236,7 @@ class CompositeReward:
             values = future.result(timeout=max(0.0, t0 + self.timeout_s - time.perf_counter()))
         except FutureTimeout:  # (__call__ then cancels the coroutine on the loop: a stuck judge stops there too)
             raise TimeoutError(f"exceeded the {self.timeout_s:g} s time limit") from None
-        return reward.scores(values)
+        return _checked(reward.scores(values), n)
 
     def __call__(self, prompts: list, completions: list, **columns: Any) -> BatchResult:
         n = len(completions)
@@ -258,7 +263,7 @@ class CompositeReward:
             for name, weight, reward in self.components:
                 t0 = started[name][0] if name in started else time.perf_counter()
                 try:
-                    scores = (self._wait(started[name], reward) if name in started
+                    scores = (self._wait(started[name], reward, n) if name in started
                               else self._call(reward, prompts, completions, calls[name]))
                     batch_error = None
                     for key, values in logged[name].items():

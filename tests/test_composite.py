@@ -42,6 +42,7 @@ def test_not_applicable_is_excluded_without_renormalising():
 @pytest.mark.parametrize("fn,message", [
     ("raises", "RuntimeError: boom"),
     ("wrong_length", "returned 3 values for 2 completions"),
+    ("async_wrong_length", "returned 1 values for 2 completions"),  # (awaited apart: the same check)
     ("not_a_number", "expected a number"),
     ("exits", "called sys.exit(3)"),
 ])

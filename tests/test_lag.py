@@ -5,6 +5,7 @@ resumes exactly; what is not built is refused in one line."""
 import contextlib
 
 import pytest
+import torch
 
 from docuchat_rl.config import ConfigError
 from docuchat_rl.data import render_prompt
@@ -47,10 +48,24 @@ def test_each_step_is_sampled_by_the_adapter_of_step_t_minus_1_minus_lag(tmp_pat
         prompts = [render_prompt(tok, g["prompt"], cfg.data.system_prompt) for g in groups]
         with ctx:
             gen = generate(model, tok, prompts, max_new_tokens=r.max_new_tokens, do_sample=True,
-                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, num_return_sequences=r.num_generations,
+                           temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                           num_return_sequences=r.num_generations,
                            engine="fast", row_seeds=[t["seed"] for t in rows], grouped_decode=True,
                            batch_size=r.generation_batch_size)
         assert gen.completion_ids == [t["completion_ids"] for t in rows], step
+        if step == 4:  # a tampered token's log-prob at the divergence is the sampling version's (1), not 3's
+            from docuchat_rl.batch import build_batch
+            from docuchat_rl.forward import policy_forward
+            from docuchat_rl.replay import replay
+
+            line = next(t for t in rows if len(t["completion_ids"]) > 3)
+            line["completion_ids"][2] = (line["completion_ids"][2] + 7) % 100
+            (got,) = replay(tmp_path, [line], progress=False, say=lambda s: None)
+            batch = build_batch([gen.prompt_ids[rows.index(line)]], [line["completion_ids"]], [0.0], [0],
+                                tok.pad_token_id)
+            with torch.no_grad():
+                want = policy_forward(model, batch, temperature=r.temperature).logps[0, 2]
+            assert got.diverges_at == 2 and got.traced_logp == pytest.approx(float(want), abs=1e-4)
     assert history[0]["async/kl_sampler_learner"] < 1e-8  # step 1: the sampler is the learner
     assert min(m["async/kl_sampler_learner"] for m in history[2:]) > 1e-5  # behind: the gap the ratio sees
 
@@ -157,7 +172,10 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
                 and "died (signal 9) while sampling step" in line and "Traceback" not in err, err[-1500:]
         else:
             for _ in range(100):  # (PR_SET_PDEATHSIG: the worker goes with its learner)
-                if not os.path.exists(f"/proc/{worker}") or b"Z" in open(f"/proc/{worker}/stat", "rb").read().split()[2:3]:
+                try:
+                    if open(f"/proc/{worker}/stat", "rb").read().split()[2] == b"Z":  # (a zombie: dead)
+                        break
+                except FileNotFoundError:  # (gone)
                     break
                 time.sleep(0.1)
             else:

@@ -17,6 +17,10 @@ def wrong_length(prompts, completions, **kwargs):
     return [1.0] * (len(completions) + 1)
 
 
+async def async_wrong_length(prompts, completions, **kwargs):
+    return [1.0] * (len(completions) - 1)
+
+
 def not_finite(prompts, completions, **kwargs):
     return [float("nan"), float("inf")] + [1.0] * (len(completions) - 2)
 
