@@ -25,7 +25,7 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 
-AUTO = "auto"  # a speed switch's default: on where it was measured to win (CPUs), off on GPUs until measured there
+AUTO = "auto"  # a speed switch's default, decided per device type from measurements (docs/performance.md)
 Switch = bool | Literal["auto"]
 
 
@@ -130,20 +130,20 @@ class RolloutConfig(Section):
     """Nucleus sampling mass (1 = off); the trainer scores the same truncated distribution."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off); the trainer scores the same truncated distribution."""
-    generation_batch_size: int = Field(64, ge=1)
-    """Most completion rows per generate call (memory bound); a step uses ceil(P*G / this) calls."""
+    generation_batch_size: int | Literal["auto"] = Field(AUTO)
+    """Most completion rows per generate call (memory bound); a step uses ceil(P*G / this) calls; auto: 64 on CPUs, 256 on GPUs (a GPU's decode is launch-bound: 128 rows a call instead of 64 halved the rollout on an H100)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill."""
     max_resample_rounds: int = Field(4, ge=1)
     """Most extra sampling rounds per step when dynamic sampling cannot fill the batch."""
     engine: Literal["auto", "fast", "hf", "vllm"] = AUTO
-    """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate; vllm = a colocated vLLM engine; auto = fast on CPUs, hf on GPUs (fast is CPU-measured only)."""
+    """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate; vllm = a colocated vLLM engine; auto = fast on CPUs, hf on GPUs (measured faster there: docs/performance.md)."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """The vLLM engine's settings (only with engine vllm)."""
     grouped_decode: Switch = AUTO
-    """Fast loop only (engine fast, and evaluation/chat under engine vllm): decode Llama, Qwen2 and Mistral (full attention) with our step that reads each prompt's keys/values once for its G rows; false = the model's own forward over a per-row cache; auto: on on CPUs, off on GPUs (CPU-measured only)."""
+    """Fast loop only (engine fast, and evaluation/chat under engine vllm): decode Llama, Qwen2 and Mistral (full attention) with our step that reads each prompt's keys/values once for its G rows; false = the model's own forward over a per-row cache; auto: on on CPUs, off on GPUs (on an H100 the fast loop was no faster than hf even with it)."""
     merge_adapter: Switch = AUTO
-    """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged; auto: on on CPUs (off with sharded_generation), off on GPUs (CPU-measured only)."""
+    """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged; auto: on (off with sharded_generation). In bfloat16 the merged weight rounds the delta (sampler/trainer gap +0.003 nats on SmolLM2); on an H100 it halved the hf engine's rollout."""
     sharded_generation: bool = False
     """Under FSDP2 only: decode on the sharded weights, every process in lockstep (each decoding step gathers every layer: slow, but the whole weights never sit on one device); false = gather them for generation."""
     async_lag: int = Field(0, ge=0)
@@ -163,6 +163,13 @@ class RolloutConfig(Section):
     def batch_rows(self) -> int:
         """Completions per step (P * G)."""
         return self.prompts_per_step * self.num_generations
+
+    @field_validator("generation_batch_size")
+    @classmethod
+    def _rows(cls, v):
+        if v != AUTO and v < 1:
+            raise ValueError("must be at least 1 (or auto)")
+        return v
 
 
 class RewardSpec(Section):
@@ -235,7 +242,7 @@ class OptimConfig(Section):
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward; gradients accumulate up to minibatch_size."""
     share_prompt: Switch = AUTO
-    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (CPU-measured only)."""
+    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (on an H100 it doubled the update's time for 19% less peak memory)."""
     length_buckets: int | Literal["auto"] = Field(AUTO)
     """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; 1: one forward; off under FSDP2); auto: 4 on CPUs, 1 on GPUs (CPU-measured only)."""
     logit_chunk: int | None = Field(None, ge=0)
@@ -387,10 +394,11 @@ class Config(Section):
         return self.model_dump(mode="json")
 
     def for_device(self, device_type: str) -> Config:
-        """This config with every `auto` speed switch decided for a device type ("cpu", "cuda", ...): the ones
-        measured to win on CPUs (docs/performance.md, real model and embedded default) are on there; on any other
-        device they are off, the plain paths, until measured there. Idempotent; model.dtype's auto is decided
-        where the model loads (modeling.resolve_dtype)."""
+        """This config with every `auto` speed switch decided for a device type ("cpu", "cuda", ...), each as it
+        was measured to win (docs/performance.md: 2 CPU cores on the real model and the embedded default; one
+        H100 on a Qwen2.5-0.5B-shaped model, where the hf engine with a merged adapter and 256 rows a generate
+        call won and the fast loop and the shared prompt lost); a switch not measured on GPUs is off there.
+        Idempotent; model.dtype's auto is decided where the model loads (modeling.resolve_dtype)."""
         cpu = device_type == "cpu"
         r, o = self.rollout, self.optim
 
@@ -400,7 +408,8 @@ class Config(Section):
         engine = pick(r.engine, "fast", "hf")
         rollout = r.model_copy(update={  # (grouped decode is the fast loop's: never on under the hf engine)
             "engine": engine, "grouped_decode": pick(r.grouped_decode, engine != "hf", False),
-            "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, False)})
+            "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, not r.sharded_generation),
+            "generation_batch_size": pick(r.generation_batch_size, 64, 256)})
         optim = o.model_copy(update={"share_prompt": pick(o.share_prompt, True, False),
                                      "length_buckets": pick(o.length_buckets, 4, 1)})
         lora = self.lora.model_copy(update={"fused": pick(self.lora.fused, True, False)})

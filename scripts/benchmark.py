@@ -66,7 +66,12 @@ def settings_args(a) -> list[str]:
 
 
 def fill_settings(a) -> None:
-    """Settings left unset: the recipe's (--config), else the embedded default benchmark's (TOY)."""
+    """Settings left unset: the recipe's (--config), else the embedded default benchmark's (TOY); TRL's dtype
+    by the device."""
+    if a.trl_dtype is None:
+        import torch
+
+        a.trl_dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     defaults = TOY
     if a.config:
         from docuchat_rl.config import load_config
@@ -102,8 +107,43 @@ def after_warmup(values: list, a) -> list:
     return values[a.warmup:] or values
 
 
-def peak_rss_mb() -> float:
+def peak_mb() -> float:
+    """This process's peak memory: on a GPU the most torch ever held allocated there, else the peak RSS."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# Published shapes for `--shape` (random weights, data/model's tokenizer; no hub here): hidden, MLP, layers,
+# heads, KV heads, vocabulary. qwen2-tiny is the same path at a CPU's size, to check the script before a GPU run.
+SHAPES = {"qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151_936), "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151_936),
+          "qwen2-tiny": (64, 128, 2, 4, 2, 151_936)}
+
+
+def build_shape(name: str, folder: Path) -> Path:
+    """A random-weight Qwen2 model of a published shape (tied embeddings, bfloat16 on disk) with the embedded
+    default's tokenizer, saved to `folder`. Its completions are noise (every token id above the tokenizer's 544
+    decodes to nothing): for timing only, at fixed length."""
+    import shutil
+
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    hidden, mlp, layers, heads, kv, vocab = SHAPES[name]
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
+                         max_position_embeddings=32_768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                         rms_norm_eps=1e-6, eos_token_id=3, pad_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.generation_config = GenerationConfig(eos_token_id=3, pad_token_id=1)
+    model.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(ROOT / "data/model" / f, folder / f)
+    return folder
 
 
 def prompt_order(n_rows: int, a) -> list[int]:
@@ -127,7 +167,7 @@ def run_ours(a) -> dict:
         "seconds_per_step": statistics.median(sum(m[p] for p in phases) for m in rest),
         "phases": {p.removeprefix("time/"): statistics.median(m[p] for m in rest) for p in phases},
         "rollout_tokens_per_s": statistics.median(m["rollout_tokens_per_s"] for m in rest),
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_mb": peak_mb(),
         "mean_reward_last_10": statistics.mean(m["reward/mean"] for m in history[-10:]),
         "reward_per_step": [m["reward/mean"] for m in history],
         "mismatch_mean": statistics.mean(m["sampler/mismatch_mean"] for m in history),
@@ -148,7 +188,8 @@ def run_trl(a) -> dict:
     torch.set_num_threads(a.threads)
     with tempfile.TemporaryDirectory() as scratch:
         cfg = bench_config(a, scratch)  # (the same recipe our side runs)
-    model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cpu")
+    gpu = torch.cuda.is_available()
+    model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cuda" if gpu else "cpu")
     rows = load_examples(str(ROOT / cfg.data.train), "train", cfg.data.prompt_column, cfg.data.answer_column)
     order = prompt_order(len(rows), a)
     data = Dataset.from_list([{"prompt": render_prompt(tok, rows[i].question, cfg.data.system_prompt),
@@ -173,7 +214,8 @@ def run_trl(a) -> dict:
     clock = StepClock()
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1,
+            output_dir=out, use_cpu=not gpu, bf16=gpu and a.trl_dtype == "bfloat16", report_to="none",
+            save_strategy="no", logging_steps=1,
             max_steps=a.steps, per_device_train_batch_size=micro, gradient_accumulation_steps=rows_per_step // micro,
             num_generations=a.generations, max_completion_length=a.max_new, temperature=a.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, learning_rate=a.lr,
@@ -208,7 +250,7 @@ def run_trl(a) -> dict:
         "seconds_per_step": statistics.median(after_warmup(clock.seconds, a)),
         "phases": {"rollout": statistics.median(after_warmup(gen_seconds, a))},
         "rollout_tokens_per_s": statistics.median(after_warmup(tok_s, a)),
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_mb": peak_mb(),
         "mean_reward_last_10": statistics.mean(r["reward"] for r in logs[-10:]),
         "reward_per_step": [r["reward"] for r in logs],
     }
@@ -221,7 +263,12 @@ def spawn(side: str, a, **changes) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"{side} run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    extra = [o for o in b.overrides if not o.startswith("model.name_or_path=")]
+    print(f"# {side}{' fixed' if b.fixed_length else ''} {' '.join(extra)}: {result['seconds_per_step']:.3f} s/step, "
+          f"rollout {result['phases'].get('rollout', 0):.3f} s, peak {result['peak_mb']:.0f} MB", file=sys.stderr,
+          flush=True)  # (each run as it ends: a run cut off by a time limit keeps what it measured)
+    return result
 
 
 def median_run(rs: list[dict]) -> dict:
@@ -247,7 +294,7 @@ def compare(a, **changes) -> dict:
         paired = [x / y for x, y in zip(o["runs"], t["runs"])]
         result["ratio"] = {"seconds_per_step": o["seconds_per_step"] / t["seconds_per_step"],
                            "paired_spread": [min(paired), max(paired)],
-                           "peak_rss": o["peak_rss_mb"] / t["peak_rss_mb"],
+                           "peak": o["peak_mb"] / t["peak_mb"],
                            "rollout_tokens_per_s": o["rollout_tokens_per_s"] / t["rollout_tokens_per_s"]}
     return result
 
@@ -259,10 +306,23 @@ SWITCHES = ["rollout.engine=hf", "rollout.grouped_decode=false", "rollout.merge_
             "model.dtype=bf16-mixed + rollout.merge_adapter=false"]
 
 
+# on a GPU every `auto` switch is off (the plain paths): each switch on alone, then the CPU's defaults together,
+# and the memory switches (chunked log-probs off, activation checkpointing on)
+GPU_SWITCHES = [" + ".join(["rollout.engine=fast", "rollout.grouped_decode=true", "rollout.merge_adapter=true",
+                           "optim.share_prompt=true"]),
+                "rollout.engine=fast", "rollout.engine=fast + rollout.grouped_decode=true",
+                "rollout.engine=fast + rollout.merge_adapter=true", "rollout.merge_adapter=true",
+                "optim.share_prompt=true", "optim.logit_chunk=0", "model.gradient_checkpointing=true"]
+
+
 def switches(a) -> dict:
-    """Our side with the defaults and with each switch off, interleaved (the order reversed every other
-    repeat); per variant the median run's numbers and the spread of its seconds per step."""
-    variants = [("defaults", [])] + [(s, s.split(" + ")) for s in SWITCHES]
+    """Our side with the defaults and with each switch flipped (SWITCHES on a CPU, GPU_SWITCHES on a GPU),
+    interleaved (the order reversed every other repeat); per variant the median run's numbers and the spread
+    of its seconds per step."""
+    import torch
+
+    flips = a.flips or (GPU_SWITCHES if torch.cuda.is_available() else SWITCHES)
+    variants = [("defaults", [])] + [(s, s.split(" + ")) for s in flips]
     runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for i in range(a.repeats):
         for name, extra in (variants if i % 2 == 0 else variants[::-1]):
@@ -272,20 +332,21 @@ def switches(a) -> dict:
 
 def print_switches(title: str, result: dict) -> None:
     base = result["defaults"]
+    width = max(map(len, result)) + 2
     print(title)
-    print(f"  {'variant':<52}{'s/step':>8}{'spread':>13}{'vs defaults':>12}{'rollout s':>11}{'update s':>10}"
-          f"{'tok/s':>7}{'peak RSS MB':>13}{'mismatch':>10}")
+    print(f"  {'variant':<{width}}{'s/step':>8}{'spread':>13}{'vs defaults':>12}{'rollout s':>11}{'update s':>10}"
+          f"{'tok/s':>7}{'peak MB':>13}{'mismatch':>10}")
     for name, r in result.items():
         ph = r["phases"]
-        print(f"  {name:<52}{r['seconds_per_step']:>8.2f}{r['spread'][0]:>6.2f}-{r['spread'][1]:<6.2f}"
+        print(f"  {name:<{width}}{r['seconds_per_step']:>8.2f}{r['spread'][0]:>6.2f}-{r['spread'][1]:<6.2f}"
               f"{r['seconds_per_step'] / base['seconds_per_step']:>11.2f}x{ph.get('rollout', 0):>11.2f}"
-              f"{ph.get('update', 0):>10.2f}{r['rollout_tokens_per_s']:>7.0f}{r['peak_rss_mb']:>13.0f}"
+              f"{ph.get('update', 0):>10.2f}{r['rollout_tokens_per_s']:>7.0f}{r['peak_mb']:>13.0f}"
               f"{r['mismatch_mean']:>10.1e}")
 
 
 def print_table(title: str, result: dict) -> None:
     print(title)
-    print(f"  {'':<8}{'s/step':>8}{'spread':>14}{'rollout s':>11}{'update s':>10}{'tok/s':>8}{'peak RSS MB':>13}"
+    print(f"  {'':<8}{'s/step':>8}{'spread':>14}{'rollout s':>11}{'update s':>10}{'tok/s':>8}{'peak MB':>13}"
           f"{'reward':>8}")
     for side in ("ours", "trl"):
         if side in result:
@@ -294,11 +355,11 @@ def print_table(title: str, result: dict) -> None:
             upd = ph.get("update", float("nan"))
             spread = f"{r['spread'][0]:.2f}-{r['spread'][1]:.2f}"
             print(f"  {side:<8}{r['seconds_per_step']:>8.3f}{spread:>14}{ph['rollout']:>11.3f}{upd:>10.3f}"
-                  f"{r['rollout_tokens_per_s']:>8.0f}{r['peak_rss_mb']:>13.0f}{r['mean_reward_last_10']:>8.3f}")
+                  f"{r['rollout_tokens_per_s']:>8.0f}{r['peak_mb']:>13.0f}{r['mean_reward_last_10']:>8.3f}")
     if "ratio" in result:
         q = result["ratio"]
         print(f"  ours/TRL: seconds per step {q['seconds_per_step']:.2f} (paired runs {q['paired_spread'][0]:.2f}-"
-              f"{q['paired_spread'][1]:.2f}), peak RSS {q['peak_rss']:.2f}, rollout tokens/s "
+              f"{q['paired_spread'][1]:.2f}), peak memory {q['peak']:.2f}, rollout tokens/s "
               f"{q['rollout_tokens_per_s']:.2f}")
     if "ours" in result:
         print("  our phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in result["ours"]["phases"].items()))
@@ -330,10 +391,16 @@ def main() -> None:
                     help="natural EOS, fixed length (no EOS before max-new), or both")
     ap.add_argument("--lr", type=float, default=None, help="5e-4, or the recipe's")
     ap.add_argument("--temperature", type=float, default=None, help="1.0, or the recipe's")
-    ap.add_argument("--trl-dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="the dtype TRL's model is loaded in (its CPU config runs float32 only)")
+    ap.add_argument("--trl-dtype", choices=["float32", "bfloat16"], default=None,
+                    help="the dtype TRL's model is loaded in (float32 on a CPU, where its config runs float32 "
+                         "only; bfloat16 with bf16=True on a GPU, as ours)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                    help="both sides train a random-weight model of this published shape (built once, for timing; "
+                         "use with --lengths fixed)")
     ap.add_argument("--curve", action="store_true", help="print both sides' training reward per 5 steps")
     ap.add_argument("--switches", action="store_true", help="our side only: each speed switch off against the defaults")
+    ap.add_argument("--flip", dest="flips", action="append", default=[],
+                    help="with --switches: a variant to run instead of the device's list (overrides joined by ' + ')")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for each side")
     ap.add_argument("--set", dest="overrides", action="append", default=[],
                     help="extra override for our side, e.g. rollout.engine=hf (repeatable)")
@@ -357,6 +424,9 @@ def main() -> None:
     if a.worker:
         print(json.dumps(run_ours(a) if a.worker == "ours" else run_trl(a)))
         return
+    if a.shape:  # built once here, read by every run (the folder lives as long as this process)
+        shape_dir = tempfile.TemporaryDirectory(prefix=f"{a.shape}-")
+        a.overrides = [f"model.name_or_path={build_shape(a.shape, Path(shape_dir.name))}", *a.overrides]
     started = time.strftime("%Y-%m-%d")
     if a.switches:
         for fixed in {"natural": [False], "fixed": [True], "both": [False, True]}[a.lengths]:
@@ -365,7 +435,7 @@ def main() -> None:
             if a.json:
                 print(json.dumps({"date": started, "fixed_length": fixed, "switches": result}))
             else:
-                print_switches(f"{started}: {a.config or 'embedded default'}, switches one at a time, "
+                print_switches(f"{started}: {a.config or a.shape or 'embedded default'}, switches one at a time, "
                                f"{a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens "
                                f"({'fixed length' if fixed else 'natural EOS'}), {a.steps} steps ({a.warmup} "
                                f"warm-up), {a.repeats} runs each", result)
@@ -376,7 +446,7 @@ def main() -> None:
             result = compare(a, fixed_length=fixed)
             report["fixed_length" if fixed else "natural_eos"] = result
             if not a.json:
-                print_table(f"{started}: {a.config or 'embedded default'}, {a.prompts} prompts x {a.generations} "
+                print_table(f"{started}: {a.config or a.shape or 'embedded default'}, {a.prompts} prompts x {a.generations} "
                             f"completions, {a.max_new} new tokens ({'fixed length' if fixed else 'natural EOS'}), "
                             f"{a.steps} steps ({a.warmup} warm-up), {a.repeats} runs a side, {a.threads} threads",
                             result)

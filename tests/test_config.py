@@ -171,16 +171,16 @@ def test_config_explain_runs_without_torch():
 
 
 def test_auto_switches_are_decided_per_device_and_explicit_values_win():
-    """The speed switches measured on CPUs only are on there and off on a GPU until measured there; a value the
-    recipe sets is kept; deciding twice changes nothing."""
+    """Each speed switch is decided per device as measured (docs/performance.md); a value the recipe sets is
+    kept; deciding twice changes nothing."""
     def switches(c):
         return (c.rollout.engine, c.rollout.grouped_decode, c.rollout.merge_adapter, c.optim.share_prompt,
-                c.optim.length_buckets, c.lora.fused)
+                c.optim.length_buckets, c.lora.fused, c.rollout.generation_batch_size)
 
     cfg = load_config(ROOT / "config/default.yaml")
     cpu, gpu = cfg.for_device("cpu"), cfg.for_device("cuda")
-    assert switches(cpu) == ("fast", True, True, True, 4, True)
-    assert switches(gpu) == ("hf", False, False, False, 1, False)
+    assert switches(cpu) == ("fast", True, True, True, 4, True, 64)
+    assert switches(gpu) == ("hf", False, True, False, 1, False, 256)
     assert switches(cpu.for_device("cuda")) == switches(cpu)  # (decided once, at the run's start)
     set_ = load_config(ROOT / "config/default.yaml", ["rollout.engine=fast", "optim.length_buckets=2",
                                                        "rollout.grouped_decode=true"]).for_device("cuda")
