@@ -149,7 +149,7 @@ class RolloutConfig(Section):
     async_lag: int = Field(0, ge=0)
     """Fixed lag k: step t trains on completions sampled by the policy after step t-1-k, the ratio taken against the sampler's log-probs (0: synchronous); see async_worker_threads for where they are sampled."""
     async_worker_threads: int = Field(0, ge=0)
-    """With async_lag: 0 samples in the learner's process between updates (no overlap); N > 0 samples in a worker process of N torch threads, ahead, while the learner updates (give the learner the rest with run.threads)."""
+    """With async_lag: 0 samples in the learner's process between updates (no overlap); N > 0 samples in a worker process of N torch threads, ahead, while the learner updates (give the learner the rest with run.threads); under engine vllm the worker is a vLLM engine serving the versions as LoRA adapters."""
     async_timeout_s: float = Field(600.0, gt=0)
     """With a worker: a step's samples that do not arrive within this many seconds (counted once the worker has loaded the model) end the run in one line naming the step and adapter version."""
     correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
@@ -379,9 +379,6 @@ class Config(Section):
         if r.async_lag and r.dynamic_sampling:
             raise ValueError("rollout.async_lag cannot be used with rollout.dynamic_sampling (its refill reads the "
                              "same step's rewards, which a fixed lag samples ahead of)")
-        if r.async_lag and r.engine == "vllm":
-            raise ValueError("rollout.async_lag is not built for rollout.engine vllm yet (its adapter versions): "
-                             "use the fast or hf engine")
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")

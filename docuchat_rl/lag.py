@@ -21,9 +21,12 @@ step and version (the last checkpoint intact). The worker dies with the learner 
 
 Several data-parallel processes: each learner process has a worker of its own for its share of the prompts.
 
-Deliberately left out (not built yet): FSDP2 sharding (a worker holds the whole model), the vLLM engine
-(serving the versions as LoRA adapters), and dynamic sampling (whose refill reads the same step's rewards);
-each is refused in one line.
+With `rollout.engine: vllm` the worker is a vLLM engine serving the versions as LoRA adapters (vllm_engine.py:
+the base weights once, nothing merged on either side); with async_worker_threads 0 the learner's colocated
+engine is synced with the lagged version (merged), the reference.
+
+Deliberately left out (not built yet): FSDP2 sharding (a worker holds the whole model) and dynamic sampling
+(whose refill reads the same step's rewards); each is refused in one line.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ class Ahead:
     a worker busy sampling (and, unlike a multiprocessing.Queue, no semaphore is left behind by a killed
     worker)."""
 
-    def __init__(self, cfg, dtype: str, device: str, collector, lagged: LaggedPolicies, start: int):
+    def __init__(self, cfg, dtype: str, device: str, collector, lagged: LaggedPolicies, start: int, spec=None):
         ctx = torch.multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.cfg, self.collector, self.lagged = cfg, collector, lagged
@@ -125,11 +128,12 @@ class Ahead:
         self.ready = False  # the worker has loaded the model
         self.proc = ctx.Process(target=_work, name="docuchat-rl-sampler", daemon=True,
                                 args=(cfg.to_dict(), dtype, device, cfg.rollout.async_worker_threads, child,
-                                      os.getpid()))
+                                      os.getpid(), spec))
         self.proc.start()
         child.close()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._send_loop, name="docuchat-rl-sampler-send", daemon=True).start()
+        self._sender = threading.Thread(target=self._send_loop, name="docuchat-rl-sampler-send", daemon=True)
+        self._sender.start()
         for v in sorted(lagged.versions):
             self._outgoing.put(("version", v, _bytes(lagged.versions[v]), min(lagged.versions)))
         for step in range(start + 1, start + 2 + lagged.lag):
@@ -198,13 +202,16 @@ class Ahead:
     def close(self) -> None:
         """Stop the worker: at once when it is still sampling ahead (not needed after the run), else let it
         leave its loop."""
+        self._outgoing.put(None)  # (the sending thread delivers it after what it has, then leaves; a stuck worker
+        # never reads it, so the wait is short and the kill follows)
         if self.proc.is_alive():
-            self._outgoing.put(None)  # (the sending thread delivers it after what it has; a stuck worker never
-            # reads it, so the wait is short and the kill follows)
             self.proc.join(timeout=0.0 if self.pending else 5.0)
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(timeout=10)
+        # (a send to the dead worker fails at once and ends the thread: the pipe closed under a send in flight
+        # would raise outside the caught errors, a traceback after the run's one line)
+        self._sender.join(timeout=10)
         self.conn.close()
 
 
@@ -216,19 +223,17 @@ def _bytes(state: dict[str, torch.Tensor]) -> bytes:
     return safetensors.torch.save(state)
 
 
-def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: int) -> None:
+def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: int, spec=None) -> None:
     """The worker process: the base model with the run's LoRA layout, sampling each asked step with the
-    adapter version it names, through the same function as the learner's process (rollout.sample_rows)."""
+    adapter version it names, through the same function as the learner's process (rollout.sample_rows); with
+    `spec` (a vllm_engine.EngineSpec, rollout.engine vllm) a vLLM engine that serves the versions as LoRA
+    adapters instead."""
     import ctypes
     import warnings
 
     import safetensors.torch
-    from peft import set_peft_model_state_dict
 
     from .config import config_from_dict
-    from .fused_lora import fuse_lora
-    from .modeling import build_lora, disable_dropout, load_model_and_tokenizer
-    from .rollout import sample_rows
 
     try:  # die with the learner, even a kill -9 of it
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -244,16 +249,8 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
     hf_logging.disable_progress_bar()  # (the learner shows the loading)
     torch.set_num_threads(threads)
     cfg = config_from_dict(cfg_dict)
-    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, dtype, device, cfg.model.trust_remote_code,
-                                          cfg.model.revision)
-    if cfg.model.disable_dropout:
-        disable_dropout(model)
-    model = build_lora(model, cfg.lora)
-    if cfg.lora.fused:
-        fuse_lora(model)
-    model.eval()
+    serve = _VLLMSampler(cfg, spec) if spec is not None else _HFSampler(cfg, dtype, device)
     conn.send(("ready", None, None))
-    versions: dict[int, dict[str, torch.Tensor]] = {}
     while True:
         try:
             msg = conn.recv()
@@ -263,15 +260,12 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
             return
         if msg[0] == "version":
             _, v, state, keep_from = msg
-            versions[v] = safetensors.torch.load(state)
-            for old in [k for k in versions if k < keep_from]:
-                del versions[old]
+            serve.add_version(v, safetensors.torch.load(state), keep_from)
             continue
         _, step, version, prompts, seeds = msg
         try:
             with torch.no_grad():
-                set_peft_model_state_dict(model, versions[version], adapter_name="default")
-                gen = sample_rows(model, tok, cfg.rollout, prompts, seeds)
+                gen = serve.sample(version, prompts, seeds)
             reply = ("done", step, gen)
         except Exception as e:  # (said by the learner in one line)
             reply = ("error", step, f"{type(e).__name__}: {e}")
@@ -279,3 +273,58 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
             conn.send(reply)
         except (EOFError, OSError):
             return
+
+
+class _HFSampler:
+    """The worker's sampler on a Hugging Face model with the run's LoRA layout: a version is put into its
+    LoRA weights for the step it samples."""
+
+    def __init__(self, cfg, dtype: str, device: str):
+        from .fused_lora import fuse_lora
+        from .modeling import build_lora, disable_dropout, load_model_and_tokenizer
+
+        model, self.tok = load_model_and_tokenizer(cfg.model.name_or_path, dtype, device,
+                                                   cfg.model.trust_remote_code, cfg.model.revision)
+        if cfg.model.disable_dropout:
+            disable_dropout(model)
+        self.model = build_lora(model, cfg.lora)
+        if cfg.lora.fused:
+            fuse_lora(self.model)
+        self.model.eval()
+        self.cfg, self.versions = cfg, {}
+
+    def add_version(self, version: int, state: dict[str, torch.Tensor], keep_from: int) -> None:
+        self.versions[version] = state
+        for old in [k for k in self.versions if k < keep_from]:
+            del self.versions[old]
+
+    def sample(self, version: int, prompts: list[str], seeds: list[int]):
+        from peft import set_peft_model_state_dict
+
+        from .rollout import sample_rows
+
+        set_peft_model_state_dict(self.model, self.versions[version], adapter_name="default")
+        return sample_rows(self.model, self.tok, self.cfg.rollout, prompts, seeds)
+
+
+class _VLLMSampler:
+    """The worker's sampler on a vLLM engine in LoRA mode (vllm_engine.py): the base weights once, each
+    version a LoRA adapter."""
+
+    def __init__(self, cfg, spec):
+        from transformers import AutoTokenizer
+
+        from .vllm_engine import VLLMEngine
+
+        tok = AutoTokenizer.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
+                                            revision=cfg.model.revision)
+        self.engine, self.r = VLLMEngine(cfg, tok, spec), cfg.rollout
+
+    def add_version(self, version: int, state: dict[str, torch.Tensor], keep_from: int) -> None:
+        self.engine.add_version(version, state, keep_from)
+
+    def sample(self, version: int, prompts: list[str], seeds: list[int]):
+        r = self.r
+        return self.engine.generate(prompts, num_return_sequences=r.num_generations, row_seeds=seeds,
+                                    max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
+                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, version=version)

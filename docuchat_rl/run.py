@@ -258,9 +258,11 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         if why:  # (the sync would send the base weights: vLLM would sample the untrained model, silently)
             raise ModelError(f"rollout.engine vllm samples the policy with its LoRA merged into the weights, and "
                              f"{why}: take that layer out of lora.target_modules, or use rollout.engine fast")
-        from .vllm_engine import VLLMEngine
+        from .vllm_engine import VLLMEngine, engine_spec
 
-        vllm = VLLMEngine(cfg, model, tokenizer, cfg.data.max_prompt_tokens, processes=dist.world)
+        if not cfg.rollout.async_worker_threads:  # (else the fixed lag's worker is the engine: lag.Ahead)
+            vllm = VLLMEngine(cfg, tokenizer, engine_spec(cfg, model, tokenizer, cfg.data.max_prompt_tokens),
+                              processes=dist.world)
     state = TrainerState(step=0, run_id=dist.gather([uuid.uuid4().hex[:12]])[0])  # the main process's id
     if resume_dir:
         state = load_training_state(resume_dir, model=model, critic=algo.critic, accelerator=place.accelerator,
@@ -289,7 +291,12 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
                           place.lockstep, max_steps=cfg.run.steps, vllm=vllm)
     if lagged is not None and cfg.rollout.async_worker_threads:  # the worker samples ahead (lag.Ahead)
-        collector.ahead = Ahead(cfg, place.dtype, str(dist.device), collector, lagged, state.step)
+        spec = None
+        if cfg.rollout.engine == "vllm":  # the worker serves the adapter versions as vLLM LoRA adapters
+            from .vllm_engine import engine_spec
+
+            spec = engine_spec(cfg, model, tokenizer, cfg.data.max_prompt_tokens, lora=True)
+        collector.ahead = Ahead(cfg, place.dtype, str(dist.device), collector, lagged, state.step, spec)
     wandb_run = None
     if cfg.logging.wandb and dist.is_main:
         import wandb

@@ -17,14 +17,21 @@ Several processes: each runs its own engine on its own share of the prompts, vLL
 launcher's process group (`external_launcher`, as TRL's colocate mode); tensor parallelism across them
 is not built (refused).
 
-Deliberately left out: vLLM's own LoRA path (`enable_lora`; 5x slower than a merged sync on the CPU in
-issue #24's measurement, not repeated here), server mode on separate GPUs (docs/vllm.md has the plan), sharded (FSDP2) models and sharded
-generation, and engines that are not in this process.
+A fixed lag's worker process (lag.py, `rollout.async_lag` with `async_worker_threads`) runs this engine
+in vLLM's LoRA mode instead: it holds no Hugging Face model, only the base weights in vLLM, and serves each
+adapter version it is sent as a LoRA adapter (`add_version`, written as peft's adapter folder; the k + 2
+versions in use stay loaded, as TRL's async GRPO keeps max_staleness + 1). The synchronous loop keeps the
+merged sync: vLLM's LoRA path was 5x slower than a merged sync on the CPU in issue #24's measurement.
+
+Deliberately left out: server mode on separate GPUs (docs/vllm.md has the plan), sharded (FSDP2) models
+and sharded generation, and engines that are not in this process.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,35 +61,86 @@ def import_vllm():
     return vllm
 
 
-class VLLMEngine:
-    """One colocated vLLM engine for the policy `model` (its base weights are loaded from the model's own
-    folder; `sync` then gives it the policy's current weights)."""
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine needs of the policy model: plain data, so that a fixed lag's worker process (lag.py),
+    which holds no Hugging Face model, can be sent it."""
 
-    def __init__(self, cfg: Config, model, tokenizer, max_prompt_tokens: int, processes: int = 1):
+    dtype: str  # the base weights' dtype name
+    stop: list[int]  # the token ids that end a completion
+    longest: int  # prompt + completion positions the engine must accept
+    eager: bool  # no CUDA graphs (always on a CPU)
+    adapter_config: str | None = None  # peft's adapter_config.json: serve adapter versions as LoRA (else: merged syncs)
+
+
+def engine_spec(cfg: Config, model, tokenizer, max_prompt_tokens: int, lora: bool = False) -> EngineSpec:
+    """The EngineSpec of the policy `model`; `lora`: the adapter versions are served as LoRA adapters."""
+    import json
+
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+        next(base_model(model).parameters()).dtype]
+    device = next(model.parameters()).device
+    config = None
+    if lora:  # (sets, as peft keeps target_modules, are not JSON)
+        fields = model.peft_config["default"].to_dict()
+        config = json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in fields.items()}, default=str)
+    return EngineSpec(dtype, eos_ids(model, tokenizer),
+                      min(max_prompt_tokens + cfg.rollout.max_new_tokens, _positions(model)),
+                      cfg.rollout.vllm.enforce_eager or device.type == "cpu", config)
+
+
+class VLLMEngine:
+    """One colocated vLLM engine for the policy of `spec` (its base weights are loaded from the model's own
+    folder); then either `sync` gives it the policy's current weights, or (`spec.adapter_config`) it serves
+    adapter versions as LoRA adapters (`add_version`, `generate(version=...)`)."""
+
+    def __init__(self, cfg: Config, tokenizer, spec: EngineSpec, processes: int = 1):
         vllm = import_vllm()
         v, r = cfg.rollout.vllm, cfg.rollout
-        self.cfg, self.tokenizer, self.processes = cfg, tokenizer, processes
+        self.cfg, self.tokenizer, self.processes, self.spec = cfg, tokenizer, processes, spec
         # several processes (torchrun / accelerate launch): vLLM joins the launcher's process group instead
         # of starting its own (TRL's colocate mode does the same); each engine serves its own process
         launched = dict(distributed_executor_backend="external_launcher") if processes > 1 else {}
-        self.stop = eos_ids(model, tokenizer)
-        device = next(model.parameters()).device
-        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
-            next(base_model(model).parameters()).dtype]
+        self.stop = spec.stop
         threads = torch.get_num_threads()
-        longest = min(max_prompt_tokens + r.max_new_tokens, _positions(model))  # prompt + completion
+        longest = spec.longest  # prompt + completion
         memory = dict(kv_cache_memory_bytes=v.kv_cache_memory_bytes) if v.kv_cache_memory_bytes else \
             dict(gpu_memory_utilization=v.gpu_memory_utilization)
+        lora = {}
+        self.versions: dict[int, Path] = {}
+        if spec.adapter_config:  # as TRL's async GRPO (PR #7017): the versions in use stay loaded side by side
+            import json
+            import tempfile
+
+            rank = json.loads(spec.adapter_config)["r"]
+            lora = dict(enable_lora=True, max_lora_rank=max(8, 1 << (rank - 1).bit_length()),  # (vLLM's sizes)
+                        max_loras=r.async_lag + 2)
+            self._folder = tempfile.TemporaryDirectory(prefix="docuchat-rl-lora-")
         self.llm = vllm.LLM(
-            str(Path(cfg.model.name_or_path)), tokenizer=str(Path(cfg.model.name_or_path)), dtype=dtype,
-            seed=cfg.run.seed, enforce_eager=v.enforce_eager or device.type == "cpu",
+            str(Path(cfg.model.name_or_path)), tokenizer=str(Path(cfg.model.name_or_path)), dtype=spec.dtype,
+            seed=cfg.run.seed, enforce_eager=spec.eager,
             max_model_len=v.max_model_len or longest,
             max_num_seqs=max(r.generation_batch_size, 1), tensor_parallel_size=v.tensor_parallel_size,
             logprobs_mode="processed_logprobs", enable_sleep_mode=v.sleep,
             # one prefill never chunked: per-request seeds and a chunked prefill do not mix on the CPU
             max_num_batched_tokens=max(8192, longest * r.generation_batch_size),
-            **memory, **launched)
+            **memory, **launched, **lora)
         _SET_NUM_THREADS(threads)  # the training passes keep the thread count they had before the engine
+
+    def add_version(self, version: int, state: dict[str, torch.Tensor], keep_from: int) -> None:
+        """Adapter `version` (peft's saved tensors) served from now on; the versions before `keep_from` dropped."""
+        from safetensors.torch import save_file
+
+        folder = Path(self._folder.name) / f"v{version}"
+        folder.mkdir(exist_ok=True)
+        save_file(state, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(self.spec.adapter_config)
+        self.versions[version] = folder
+        for old in [k for k in self.versions if k < keep_from]:
+            remove = getattr(self.llm.llm_engine, "remove_lora", None)
+            if remove is not None:
+                remove(old + 1)
+            shutil.rmtree(self.versions.pop(old), ignore_errors=True)
 
     def sync(self, model) -> None:
         """Give the engine the policy's current weights (LoRA merged)."""
@@ -95,10 +153,12 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[str], *, num_return_sequences: int, row_seeds: list[int] | None,
-                 max_new_tokens: int, min_new_tokens: int, temperature: float, top_p: float, top_k: int
-                 ) -> Generation:
-        """`num_return_sequences` completions per prompt, rows prompt-major (as generation.generate)."""
+                 max_new_tokens: int, min_new_tokens: int, temperature: float, top_p: float, top_k: int,
+                 version: int | None = None) -> Generation:
+        """`num_return_sequences` completions per prompt, rows prompt-major (as generation.generate); with
+        `version`, sampled by that adapter version (`add_version`) as a LoRA adapter."""
         from vllm import SamplingParams, TokensPrompt
+        from vllm.lora.request import LoRARequest
 
         g = num_return_sequences
         if row_seeds is not None and len(row_seeds) != len(prompts) * g:
@@ -115,7 +175,8 @@ class VLLMEngine:
                     seed=row_seeds[row] if row_seeds is not None else None,
                     stop_token_ids=self.stop, ignore_eos=False, skip_special_tokens=True,
                     repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0))
-        outs = self.llm.generate(requests, params, use_tqdm=False)
+        lora = None if version is None else LoRARequest(f"v{version}", version + 1, str(self.versions[version]))
+        outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         gen = Generation([], [], [], [])
         for i, out in enumerate(outs):
             c = out.outputs[0]
@@ -139,6 +200,8 @@ class VLLMEngine:
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
         self.llm = None
+        if self.spec.adapter_config:
+            self._folder.cleanup()
         gc.collect()
         destroy_model_parallel()
         if self.processes == 1:  # (under a launcher the world group is the training's: it ends with the run)

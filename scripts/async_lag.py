@@ -44,12 +44,13 @@ def main() -> None:
     ap.add_argument("--worker-threads", type=int, default=1, help="the worker's share (the learner: the rest)")
     ap.add_argument("--eval-limit", type=int, default=100, help="held-out rows evaluated at the end (0: none)")
     ap.add_argument("--no-inline", action="store_true", help="leave out the in-process lag variants")
+    ap.add_argument("--no-sync", action="store_true", help="leave out the synchronous run (and the model from it)")
     ap.add_argument("--set", dest="sets", action="append", default=[])
     a = ap.parse_args()
 
     common = [f"run.steps={a.steps}", "logging.progress=false", f"checkpoint.every={a.steps}", *a.sets,
               "eval.every=null"] + ([f"eval.limit={a.eval_limit}", f"eval.every={a.steps}"] if a.eval_limit else [])
-    variants = [("sync", [f"run.threads={a.threads}"])]
+    variants = [] if a.no_sync else [("sync", [f"run.threads={a.threads}"])]
     for k in (int(x) for x in a.lags.split(",")):
         if not a.no_inline:
             variants.append((f"lag {k} inline", [f"rollout.async_lag={k}", f"run.threads={a.threads}"]))
@@ -70,6 +71,8 @@ def main() -> None:
                          "accuracy": next((x.get("eval/accuracy") for x in reversed(m) if x.get("eval/accuracy")
                                            is not None), None), "steps": len(m)})
             print(json.dumps(rows[-1]), flush=True)
+    if a.no_sync:
+        return
     sync = rows[0]
     rest = sum(sync[f"{p}_s"] for p in ("score", "advantages", "update", "log"))
     print(json.dumps({"model": "separate devices (from the sync run's phases)", "sync_step_s":

@@ -7,6 +7,7 @@
     python scripts/benchmark.py --json
     python scripts/benchmark.py --config config/smollm2.yaml --steps 30 --repeats 1 --lengths natural --curve
     python scripts/benchmark.py --config config/smollm2.yaml --switches --steps 5 --warmup 1 --repeats 2
+    python scripts/benchmark.py --shape qwen2.5-0.5b --lengths fixed --prompts 16 --max-new 256   # on a GPU
 
 Robust to a noisy machine (the same TRL run has taken 2.65 and 3.58 s/step here): each side runs
 `--repeats` times, interleaved (ours, TRL, TRL, ours, ...: drift hits both alike), each run in its own
@@ -15,7 +16,7 @@ median over the repeats and the spread (min-max), and the ratio of the medians w
 paired ratios. `--lengths` runs natural EOS, fixed length (every completion max-new tokens), or both.
 
 Each side runs in its own process (so each peak RSS is its own): (a) our trainer,
-(b) TRL's GRPOTrainer with `use_cpu=True, bf16=False`, gradient checkpointing off, `report_to="none"`.
+(b) TRL's GRPOTrainer with `use_cpu=True, bf16=False` (on a CPU), gradient checkpointing off, `report_to="none"`.
 Both get the embedded default model, LoRA r16/alpha 32 on all linear layers, the same prompts in the same
 order (TRL's shuffling off, fed our sampler's order), the same group size, max new tokens, temperature,
 learning rate (constant), beta 0, mu 1, the "grpo" loss aggregation, and the correctness reward only
@@ -36,7 +37,12 @@ mean training reward of both sides per window of 5 steps (the same prompts in th
 `--switches` runs our side only: the recipe as it is (every `auto` switch decided for the CPU), then with
 one speed switch at a time set to its plain path (SWITCHES), the variants interleaved in each repeat; a
 table of each variant's s/step, rollout and update seconds, peak RSS and rollout tokens/s against the
-defaults. That table decides which switches are on by default on CPUs (config.Config.for_device).
+defaults (on a GPU, where the defaults are the plain paths: GPU_SWITCHES, each switch on; `--flip` names
+other variants). That table decides the `auto` switches per device (config.Config.for_device).
+
+On a GPU (docs/performance.md, "GPU"): both sides run there in bfloat16 (TRL: `bf16=True`, its model loaded
+in bfloat16), peak memory is torch's peak GPU allocation, and `--shape` gives both a random-weight model of
+a published shape (SHAPES) with the embedded default's tokenizer: for timing only, at fixed length.
 """
 
 from __future__ import annotations
@@ -446,7 +452,8 @@ def main() -> None:
             result = compare(a, fixed_length=fixed)
             report["fixed_length" if fixed else "natural_eos"] = result
             if not a.json:
-                print_table(f"{started}: {a.config or a.shape or 'embedded default'}, {a.prompts} prompts x {a.generations} "
+                print_table(f"{started}: {a.config or a.shape or 'embedded default'}, {a.prompts} prompts x "
+                            f"{a.generations} "
                             f"completions, {a.max_new} new tokens ({'fixed length' if fixed else 'natural EOS'}), "
                             f"{a.steps} steps ({a.warmup} warm-up), {a.repeats} runs a side, {a.threads} threads",
                             result)

@@ -93,8 +93,6 @@ def test_a_lagged_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path)
 def test_what_a_fixed_lag_does_not_support_yet_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="rollout.async_lag cannot be used with rollout.dynamic_sampling"):
         cfg_for(tmp_path, "rollout.async_lag=1", "rollout.dynamic_sampling=true")
-    with pytest.raises(ConfigError, match="rollout.async_lag is not built for rollout.engine vllm"):
-        cfg_for(tmp_path, "rollout.async_lag=1", "rollout.engine=vllm")
     with pytest.raises(ConfigError, match="rollout.async_worker_threads and rollout.async_timeout_s apply to "
                                           "rollout.async_lag >= 1"):
         cfg_for(tmp_path, "rollout.async_worker_threads=1")

@@ -60,14 +60,14 @@ def engine():
     """One engine on the committed model with a LoRA adapter whose deltas are non-zero, synced."""
     from docuchat_rl.config import load_config
     from docuchat_rl.modeling import load_model_and_tokenizer
-    from docuchat_rl.vllm_engine import VLLMEngine
+    from docuchat_rl.vllm_engine import VLLMEngine, engine_spec
 
     from .conftest import with_lora
 
     model, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
     model = with_lora(model, ["q_proj", "v_proj", "up_proj"])
-    cfg = load_config(None, [f"model.name_or_path={MODEL}", "rollout.engine=vllm", KV])
-    eng = VLLMEngine(cfg, model, tok, max_prompt_tokens=256)
+    cfg = load_config(None, [f"model.name_or_path={MODEL}", "rollout.engine=vllm", KV]).for_device("cpu")
+    eng = VLLMEngine(cfg, tok, engine_spec(cfg, model, tok, max_prompt_tokens=256))
     eng.sync(model)
     return eng, model, tok
 
@@ -182,14 +182,21 @@ def test_a_vllm_run_matches_the_trainer_and_resumes_exactly(tmp_path):
     history = t.train()
     t.close()
     assert all(m["sampler/mismatch_max"] <= 1e-4 for m in history), [m["sampler/mismatch_max"] for m in history]
-    t = Trainer(cfg_for(tmp_path / "cut", *opts))
-    t.train(stop_after=2)
-    t.close()
-    t = Trainer(cfg_for(tmp_path / "cut", *opts), resume="latest")
-    t.train()
-    t.close()
+    stopped_and_resumed(tmp_path / "cut", opts)
     for name in ("traces.jsonl", "metrics.jsonl"):
         assert untimed(tmp_path / "cut" / name) == untimed(tmp_path / "full" / name), name
+
+
+def stopped_and_resumed(out, opts) -> None:
+    """A run of `opts` in `out` stopped after step 2, then resumed to its end."""
+    from docuchat_rl.trainer import Trainer
+
+    t = Trainer(cfg_for(out, *opts))
+    t.train(stop_after=2)
+    t.close()
+    t = Trainer(cfg_for(out, *opts), resume="latest")
+    t.train()
+    t.close()
 
 
 @needs_vllm
@@ -206,3 +213,35 @@ def test_two_processes_each_with_its_engine_equal_one(tmp_path):
     assert [r["completion"] for r in one] == [r["completion"] for r in two] and len(one) == 2 * 16
     _assert_close(one, two)
     _assert_close(*(_untimed(tmp_path / d / "metrics.jsonl") for d in ("one", "two")))
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_a_fixed_lag_vllm_worker_serves_the_versions_as_lora_and_resumes_exactly(tmp_path):
+    """rollout.async_lag 1 with a worker process that is a vLLM engine in LoRA mode (the adapter versions
+    sent as tensors, served as LoRA adapters, nothing merged) samples what the learner's own engine samples
+    when synced with the lagged version (merged): the same completions, losses equal to float rounding; a run
+    stopped after step 2 and resumed (the worker sent the checkpoint's versions) writes the same traces."""
+    from docuchat_rl.outputs import read_jsonl
+    from docuchat_rl.trainer import Trainer
+
+    lag = ["rollout.async_lag=1", "run.steps=4", "checkpoint.every=2", "optim.lr=5e-3"]
+    worker = [*lag, "rollout.async_worker_threads=1"]
+    for name, opts in (("inline", lag), ("worker", worker)):
+        t = Trainer(cfg_for(tmp_path / name, *opts))
+        t.train()
+        t.close()
+    stopped_and_resumed(tmp_path / "cut", worker)
+    traces = {name: read_jsonl(tmp_path / name / "traces.jsonl") for name in ("inline", "worker", "cut")}
+    assert [r["completion_ids"] for r in traces["worker"]] == [r["completion_ids"] for r in traces["inline"]]
+    assert {r["step"]: r["policy_version"] for r in traces["worker"]} == {1: 0, 2: 0, 3: 1, 4: 2}
+    assert len({r["adapter_sha256"] for r in traces["worker"]}) == 3  # (versions 1 and 2 differ from 0)
+    inline, work = (read_jsonl(tmp_path / name / "metrics.jsonl") for name in ("inline", "worker"))
+    for a, b in zip(inline, work):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3, abs=1e-5)
+        # the learner against the sampler: a real off-policy gap after step 1, the same for both samplers
+        assert b["sampler/mismatch_mean"] == pytest.approx(a["sampler/mismatch_mean"], abs=1e-4)
+    assert work[0]["sampler/mismatch_max"] < 1e-4 < work[-1]["sampler/mismatch_max"]
+    for name in ("traces.jsonl", "metrics.jsonl"):
+        assert untimed(tmp_path / "cut" / name) == untimed(tmp_path / "worker" / name), name
+
