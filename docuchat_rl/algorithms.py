@@ -106,12 +106,13 @@ class Algorithm:
 
     def needs(self) -> RolloutNeeds:
         """The no-grad passes before the update: old log-probs when the policy moves before the last
-        minibatch is scored (several updates per rollout) or the reward reads them, reference log-probs
-        when beta > 0, values when there is a critic."""
+        minibatch is scored (several updates per rollout) or the reward reads them, unless rollout.async_lag
+        gives them as the sampler's (the learner's score_rollout), reference log-probs when beta > 0, values
+        when there is a critic."""
         a = self.cfg.algorithm
         several = a.num_iterations > 1 or self.cfg.minibatch_rows < self.cfg.rollout.batch_rows
-        return RolloutNeeds(old_logps=several or self.needs_rollout_logps, ref_logps=a.beta > 0,
-                            values=self.critic is not None)
+        return RolloutNeeds(old_logps=(several or self.needs_rollout_logps) and not self.cfg.rollout.async_lag,
+                            ref_logps=a.beta > 0, values=self.critic is not None)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """The critic's value of each position: hidden states [R, T, H] -> [R, T]."""

@@ -12,10 +12,11 @@ a recipe is one readable file plus `--set` overrides.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from .algorithm_configs import ALGORITHMS, AlgorithmConfig, BatchShape, GRPOConfig
 
@@ -27,6 +28,15 @@ DEFAULT_SYSTEM_PROMPT = (
 
 AUTO = "auto"  # a speed switch's default, decided per device type from measurements (docs/performance.md)
 Switch = bool | Literal["auto"]
+
+
+def _count_or_auto(v):
+    if v != AUTO and v < 1:
+        raise ValueError("must be at least 1 (or auto)")
+    return v
+
+
+CountOrAuto = Annotated[int | Literal["auto"], AfterValidator(_count_or_auto)]  # a size decided per device
 
 
 class ConfigError(ValueError):
@@ -130,7 +140,7 @@ class RolloutConfig(Section):
     """Nucleus sampling mass (1 = off); the trainer scores the same truncated distribution."""
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off); the trainer scores the same truncated distribution."""
-    generation_batch_size: int | Literal["auto"] = Field(AUTO)
+    generation_batch_size: CountOrAuto = AUTO
     """Most completion rows per generate call (memory bound); a step uses ceil(P*G / this) calls; auto: 64 on CPUs, 256 on GPUs (a GPU's decode is launch-bound: 128 rows a call instead of 64 halved the rollout on an H100)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill."""
@@ -163,13 +173,6 @@ class RolloutConfig(Section):
     def batch_rows(self) -> int:
         """Completions per step (P * G)."""
         return self.prompts_per_step * self.num_generations
-
-    @field_validator("generation_batch_size")
-    @classmethod
-    def _rows(cls, v):
-        if v != AUTO and v < 1:
-            raise ValueError("must be at least 1 (or auto)")
-        return v
 
 
 class RewardSpec(Section):
@@ -243,17 +246,11 @@ class OptimConfig(Section):
     """Completions per forward/backward; gradients accumulate up to minibatch_size."""
     share_prompt: Switch = AUTO
     """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (on an H100 it doubled the update's time for 19% less peak memory)."""
-    length_buckets: int | Literal["auto"] = Field(AUTO)
+    length_buckets: CountOrAuto = AUTO
     """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; 1: one forward; off under FSDP2); auto: 4 on CPUs, 1 on GPUs (CPU-measured only)."""
     logit_chunk: int | None = Field(None, ge=0)
     """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 1024 when the vocabulary exceeds 32k tokens, else off)."""
 
-    @field_validator("length_buckets")
-    @classmethod
-    def _positive(cls, v):
-        if v != AUTO and v < 1:
-            raise ValueError("must be at least 1 (or auto)")
-        return v
 
 
 class CheckpointConfig(Section):

@@ -119,12 +119,16 @@ class Learner:
     # ---------------------------------------------------------------- the no-grad passes
     def score_rollout(self, batch: Batch) -> None:
         """Fill what the algorithm needs before its advantages and update: batch.old_logps and
-        batch.values from one forward with the adapter, batch.ref_logps from one without it."""
+        batch.values from one forward with the adapter, batch.ref_logps from one without it. Under
+        rollout.async_lag the old log-probs are the sampler's: every ratio is taken against the policy that
+        sampled (decoupled PPO), with no forward for them."""
         needs = self.algo.needs()
         if needs.old_logps or needs.values:
             logps, values = self._pass(batch, values=needs.values)
             batch.old_logps = logps if needs.old_logps else None
             batch.values = values
+        if self.cfg.rollout.async_lag:
+            batch.old_logps = batch.sampler_logps
         if needs.ref_logps:
             batch.ref_logps = self._pass(batch, values=False, reference=True)[0]
 

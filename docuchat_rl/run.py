@@ -244,7 +244,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     prompt_texts = [render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages) for e in examples]
     _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
     reward = build_reward(cfg.rewards)
-    vllm = None
+    vllm = spec = None  # (spec: a vLLM engine's, for this process's or a fixed lag's worker)
     if cfg.rollout.engine == "vllm":  # (before a resume restores the RNG states: vLLM seeds the global ones)
         if dist.active and cfg.rollout.vllm.tensor_parallel_size > 1:
             raise TrainingError("rollout.vllm.tensor_parallel_size > 1 with several training processes is not "
@@ -260,9 +260,11 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
                              f"{why}: take that layer out of lora.target_modules, or use rollout.engine fast")
         from .vllm_engine import VLLMEngine, engine_spec
 
-        if not cfg.rollout.async_worker_threads:  # (else the fixed lag's worker is the engine: lag.Ahead)
-            vllm = VLLMEngine(cfg, tokenizer, engine_spec(cfg, model, tokenizer, cfg.data.max_prompt_tokens),
-                              processes=dist.world)
+        # a fixed lag's worker is the engine (serving the adapter versions as LoRA adapters), else one here
+        worker = bool(cfg.rollout.async_lag and cfg.rollout.async_worker_threads)
+        spec = engine_spec(cfg, model, tokenizer, cfg.data.max_prompt_tokens, lora=worker)
+        if not worker:
+            vllm = VLLMEngine(cfg, tokenizer, spec, processes=dist.world)
     state = TrainerState(step=0, run_id=dist.gather([uuid.uuid4().hex[:12]])[0])  # the main process's id
     if resume_dir:
         state = load_training_state(resume_dir, model=model, critic=algo.critic, accelerator=place.accelerator,
@@ -291,11 +293,6 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
                           place.lockstep, max_steps=cfg.run.steps, vllm=vllm)
     if lagged is not None and cfg.rollout.async_worker_threads:  # the worker samples ahead (lag.Ahead)
-        spec = None
-        if cfg.rollout.engine == "vllm":  # the worker serves the adapter versions as vLLM LoRA adapters
-            from .vllm_engine import engine_spec
-
-            spec = engine_spec(cfg, model, tokenizer, cfg.data.max_prompt_tokens, lora=True)
         collector.ahead = Ahead(cfg, place.dtype, str(dist.device), collector, lagged, state.step, spec)
     wandb_run = None
     if cfg.logging.wandb and dist.is_main:

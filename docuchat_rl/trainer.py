@@ -131,8 +131,6 @@ class Trainer:
         """The no-grad passes the algorithm needs (old and reference log-probs, values), then its advantages."""
         with timer("advantages"):
             self.learner.score_rollout(batch)
-            if self.run.lagged:  # fixed lag: every ratio against the policy that sampled (decoupled PPO)
-                batch.old_logps = batch.sampler_logps
             return self.learner.algo.advantages(batch)
 
     def update(self, batch: Batch, timer: Timer, global_groups: list[int] | None = None) -> dict[str, float]:

@@ -101,9 +101,8 @@ class VLLMEngine:
         # several processes (torchrun / accelerate launch): vLLM joins the launcher's process group instead
         # of starting its own (TRL's colocate mode does the same); each engine serves its own process
         launched = dict(distributed_executor_backend="external_launcher") if processes > 1 else {}
-        self.stop = spec.stop
+        self.stop, longest = spec.stop, spec.longest  # (longest: prompt + completion)
         threads = torch.get_num_threads()
-        longest = spec.longest  # prompt + completion
         memory = dict(kv_cache_memory_bytes=v.kv_cache_memory_bytes) if v.kv_cache_memory_bytes else \
             dict(gpu_memory_utilization=v.gpu_memory_utilization)
         lora = {}
@@ -137,9 +136,7 @@ class VLLMEngine:
         (folder / "adapter_config.json").write_text(self.spec.adapter_config)
         self.versions[version] = folder
         for old in [k for k in self.versions if k < keep_from]:
-            remove = getattr(self.llm.llm_engine, "remove_lora", None)
-            if remove is not None:
-                remove(old + 1)
+            self.llm.llm_engine.remove_lora(old + 1)  # (the LoRARequest id of version v is v + 1)
             shutil.rmtree(self.versions.pop(old), ignore_errors=True)
 
     def sync(self, model) -> None:

@@ -90,6 +90,16 @@ def test_a_lagged_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path)
         assert untimed(read_jsonl(cut / name)) == untimed(read_jsonl(full / name)), name
 
 
+def test_a_fixed_lag_takes_the_old_log_probs_from_the_sampler_with_no_forward_for_them(tmp_path):
+    """Several updates per rollout need old log-probs; under a fixed lag they are the sampler's (the ratio's
+    old side), so the no-grad pass that would compute the learner's is not run (its result was discarded)."""
+    from docuchat_rl.algorithms import get_algorithm_class
+
+    for lag, forward in ((0, True), (1, False)):
+        cfg = cfg_for(tmp_path, "algorithm.num_iterations=2", f"rollout.async_lag={lag}").for_device("cpu")
+        assert get_algorithm_class("grpo")(cfg).needs().old_logps is forward, lag
+
+
 def test_what_a_fixed_lag_does_not_support_yet_is_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="rollout.async_lag cannot be used with rollout.dynamic_sampling"):
         cfg_for(tmp_path, "rollout.async_lag=1", "rollout.dynamic_sampling=true")
