@@ -19,9 +19,10 @@ decorated model here and its decorated class in `algorithms.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,33 @@ class BatchShape:
     minibatch_rows: int  # completions per optimizer step
 
 
-class _Algo(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+def _takes(annotation, kinds: tuple[type, ...]) -> bool:
+    """Whether a field's annotation admits one of `kinds` (through unions, Annotated and Optional)."""
+    if annotation in kinds or annotation is Any:
+        return True
+    return any(_takes(arg, kinds) for arg in get_args(annotation) if not isinstance(arg, (str, int, float)))
+
+
+class Keys(BaseModel):
+    """A config section's model: unknown keys refused, docs from attribute docstrings, and numbers that are
+    numbers (pydantic would read `true` as 1 and accept inf and nan, which train nothing)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, raw):
+        for name, value in (raw.items() if isinstance(raw, dict) else ()):
+            field = cls.model_fields.get(name)
+            if isinstance(value, bool) and field is not None and _takes(field.annotation, (int, float)) \
+                    and not _takes(field.annotation, (bool,)):
+                raise PydanticCustomError("bool_as_number", "must be a number, not true/false",
+                                          {"field": name, "value": value})
+        return raw
+
+
+class _Algo(Keys):
     implementation: ClassVar[Any] = None  # the algorithms.Algorithm subclass that runs it (set on registration)
 
     name: str

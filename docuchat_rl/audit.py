@@ -82,6 +82,46 @@ def _lit(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+# the JSON types a trace field of each DuckDB type may hold (null always may); JSON columns hold anything
+_JSON_TYPES = {"BIGINT": ("BIGINT", "UBIGINT"), "DOUBLE": ("DOUBLE", "BIGINT", "UBIGINT"), "BOOLEAN": ("BOOLEAN",),
+               "VARCHAR": ("VARCHAR",), "BIGINT[]": ("ARRAY",)}
+_NUMBER = ("DOUBLE", "BIGINT", "UBIGINT", "NULL")
+
+
+def _first_mistyped() -> str:
+    """An SQL expression over a trace line `j`: why its first mistyped field is wrong, or NULL."""
+    def kind(path: str) -> str:
+        return f"coalesce(json_type(j, {_lit(path)}), 'NULL')"
+
+    def one_of(kinds) -> str:
+        return ", ".join(_lit(k) for k in kinds)
+
+    cases = []
+    for name, sql_type in BASE_COLUMNS.items():
+        allowed = _JSON_TYPES.get(sql_type)
+        if allowed is not None:
+            path = "$." + _json_key(name)
+            cases.append(f"WHEN {kind(path)} NOT IN ({one_of((*allowed, 'NULL'))}) THEN "
+                         f"'field {name} holds ' || lower({kind(path)}) || ', expected {sql_type.lower()}'")
+            if sql_type == "BIGINT[]":
+                cases.append(f"WHEN {kind(path)} = 'ARRAY' AND len(list_filter(json_type(j, {_lit(path + '[*]')}), "
+                             f"lambda t: t NOT IN ('BIGINT', 'UBIGINT'))) > 0 "
+                             f"THEN 'field {name} holds a list of other than integers'")
+    cases.append(f"WHEN {kind('$.rewards')} NOT IN ('OBJECT', 'NULL') THEN 'field rewards is not an object'")
+    component = ("list_filter(coalesce(json_keys(j->'rewards'), []), lambda k: coalesce(json_type(j->'rewards'->k), 'NULL') "
+                 "NOT IN ('OBJECT', 'NULL') OR {test})")
+    numbers = " OR ".join(f"coalesce(json_type(j->'rewards'->k->'{f}'), 'NULL') NOT IN ({one_of(_NUMBER)})"
+                          for f in ("raw", "weight", "weighted"))
+    bad = component.format(test=numbers)
+    cases.append(f"WHEN {kind('$.rewards')} = 'OBJECT' AND len({bad}) > 0 THEN 'reward component ' || {bad}[1] || "
+                 "' is not an object of numbers (raw, weight, weighted)'")
+    return "CASE " + " ".join(cases) + " ELSE NULL END"
+
+
+def _json_key(name: str) -> str:
+    return '"' + name.replace('"', '\\"') + '"'
+
+
 @dataclass
 class Finding:
     """One detector's verdict: whether it fired, what it measured, its threshold, example rows."""
@@ -113,12 +153,23 @@ class TraceStore:
                 f"INSERT INTO raw SELECT {_lit(str(f))}, row_number() OVER (), line FROM read_csv("
                 f"{_lit(str(f))}, columns={{'line': 'VARCHAR'}}, header=false, delim='\\x01', quote='', "
                 "escape='', auto_detect=false, strict_mode=false)")
-        self.malformed = [{"source": s, "line": n, "text": (t or "")[:120]} for s, n, t in self.con.execute(
+        self.malformed = [{"source": s, "line": n, "text": (t or "")[:120], "why": "not a JSON object"}
+                          for s, n, t in self.con.execute(
             "SELECT source, lineno, line FROM raw WHERE line IS NOT NULL AND trim(line) <> '' "
             "AND (NOT json_valid(line) OR json_type(line::JSON) <> 'OBJECT') ORDER BY source, lineno").fetchall()]
-        self.con.execute("CREATE TABLE good AS SELECT source, lineno, line::JSON AS j FROM raw WHERE "
+        self.con.execute("CREATE TABLE objects AS SELECT source, lineno, line, line::JSON AS j FROM raw WHERE "
                          "json_valid(line) AND json_type(line::JSON) = 'OBJECT'")
         self.con.execute("DROP TABLE raw")
+        # a line whose field holds another JSON type than the trace schema's (a hand edit, another tool's
+        # file) is skipped with its reason: a cast would fail the whole load, or round 1.5 into a row id
+        self.con.execute(f"CREATE TABLE checked AS SELECT *, {_first_mistyped()} AS why FROM objects")
+        self.con.execute("DROP TABLE objects")
+        self.malformed += [{"source": s, "line": n, "text": (t or "")[:120], "why": w} for s, n, t, w in
+                           self.con.execute("SELECT source, lineno, line, why FROM checked WHERE why IS NOT NULL "
+                                            "ORDER BY source, lineno").fetchall()]
+        self.malformed.sort(key=lambda m: (m["source"], m["line"]))
+        self.con.execute("CREATE TABLE good AS SELECT source, lineno, j FROM checked WHERE why IS NULL")
+        self.con.execute("DROP TABLE checked")
         self.components = [r[0] for r in self.con.execute(
             "SELECT DISTINCT unnest(json_keys(j->'rewards')) AS k FROM good ORDER BY k").fetchall()]
         cols = [f"CAST(j->>{_lit(k)} AS {t}) AS {_q(k)}" for k, t in BASE_COLUMNS.items()]

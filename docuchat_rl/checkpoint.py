@@ -92,9 +92,10 @@ def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int, dist=N
         if main:
             _seal(tmp)
     except (OSError, RuntimeError) as e:  # a full disk: torch's serializer reports it as a RuntimeError
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise CheckpointError(f"could not write {final.name} in {out_dir}: {first}; the previous checkpoint "
-                              "and `latest` are intact") from e
+        first = _why_not_written(e, out_dir)
+        left = ("the previous checkpoint and `latest` are intact" if (out_dir / LATEST).exists() else
+                "no earlier checkpoint exists")
+        raise CheckpointError(f"could not write {final.name} in {out_dir}: {first}; {left}") from e
     if main:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -104,6 +105,20 @@ def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int, dist=N
     if dist is not None:
         dist.barrier()
     return final
+
+
+def _why_not_written(error: BaseException, out_dir: Path) -> str:
+    """A failed write's cause in words: the OS's reason, or for torch's serializer (which reports a full disk
+    as "[enforce fail at inline_container.cc] unexpected pos") the disk's free space when it is nearly full."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    try:
+        free = shutil.disk_usage(out_dir).free
+    except OSError:
+        free = None
+    if free is not None and free < 64 * 2**20:
+        return f"the disk is full ({free // 1024} KB free)"
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def verify_checkpoint(folder: Path) -> str | None:
@@ -138,13 +153,19 @@ def latest_step(out_dir: Path) -> int | None:
     return int(pointer.read_text().strip().split("-", 1)[1])
 
 
+def checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoint folder: N of `checkpoint-N`, else its trainer state's (a renamed copy)."""
+    tail = Path(folder).name.rsplit("-", 1)[-1]
+    return int(tail) if tail.isdigit() else read_trainer_state(folder).step
+
+
 def list_checkpoints(out_dir: Path) -> list[Path]:
     """The `checkpoint-N` folders in `out_dir`, oldest first."""
     found = []
     for p in Path(out_dir).glob("checkpoint-*"):
         if p.is_dir() and p.name.split("-", 1)[1].isdigit():
             found.append(p)
-    return sorted(found, key=lambda p: int(p.name.split("-", 1)[1]))
+    return sorted(found, key=checkpoint_step)
 
 
 def prune(out_dir: Path, keep_last: int) -> None:
@@ -187,6 +208,10 @@ def resolve_adapter(path: str | Path) -> Path:
     prints) is its newest intact checkpoint."""
     p = Path(path)
     if (p / "adapter_config.json").exists():
+        problem = verify_checkpoint(p) if (p / MANIFEST).exists() else None  # (a plain peft folder has none)
+        if problem:
+            raise CheckpointError(f"--adapter {path}: {problem}; use another checkpoint (a run folder gives its "
+                                  "newest intact one)")
         return p
     if p.name == LATEST and p.is_file():
         p = p.parent
@@ -227,16 +252,36 @@ def _applies(key: str, config: dict) -> bool:  # (config flattened)
     return any(key == a or key.startswith(a + ".") for a in RESUME_APPLIED)
 
 
+def saved_config(folder: Path) -> dict | None:
+    """The resolved config a checkpoint was trained with (`run_config.json`), as today's config reads it
+    (None when it has none; a damaged one is one line)."""
+    path = Path(folder) / "run_config.json"
+    if not path.exists():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        config = None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is damaged (not a run_config with its config): give the recipe with --config")
+    rollout = config.get("rollout")
+    if isinstance(rollout, dict) and rollout.get("engine") == "hf" and rollout.get("grouped_decode") is True:
+        # (written before grouped_decode was decided per engine: on for a decode loop the hf engine never runs)
+        config = {**config, "rollout": {**rollout, "grouped_decode": False}}
+    return config
+
+
 def check_resumable(folder: Path, config: dict) -> list[str]:
     """Compare `config` with the one `folder` was trained with: refuse (one line naming every such key with both
     values) a change to what the resumed steps compute; return the applied changes as `key: old -> new`."""
-    path = Path(folder) / "run_config.json"
-    if not path.exists():
+    recorded = saved_config(folder)
+    if recorded is None:
         return []
-    saved = _flat(json.loads(path.read_text())["config"])
+    saved = _flat(recorded)
     now = _flat(json.loads(json.dumps(config)))  # (tuples as the saved JSON's lists)
-    changed = [k for k in now if k in saved and saved[k] != now[k]
-               and not (isinstance(now[k], str) and now[k] == "auto")]  # (auto: decided for the device later)
+    # (`now` has every auto decided for this device; a checkpoint written before the dtype was decided at the
+    # start holds model.dtype auto, which says nothing of what it trained in)
+    changed = [k for k in now if k in saved and saved[k] != now[k] and saved[k] != "auto"]
     refused = [f"{k}={saved[k]!r} -> {now[k]!r}" for k in changed if not _applies(k, now)]
     if refused:
         raise CheckpointError(f"{Path(folder).name} was trained with a different recipe: {'; '.join(refused)}. "
@@ -262,6 +307,7 @@ class TrainerState:
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
     no_reward_streak: int = 0  # steps in a row in which no reward component gave any completion a value
     world_size: int = 1  # processes that wrote the checkpoint
+    data: dict = field(default_factory=dict)  # data.fingerprint of the training rows (rows, sha256)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -292,12 +338,21 @@ def write_training_state(folder: Path, *, model, tokenizer, critic, accelerator,
     write_json(folder / TRAINER_STATE, trainer_state.to_json())
 
 
+def read_trainer_state(folder: Path) -> TrainerState:
+    """A checkpoint's `trainer_state.json` (one line naming the file when it cannot be read)."""
+    path = Path(folder) / TRAINER_STATE
+    try:
+        return TrainerState.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+
+
 def load_training_state(folder: Path, *, model, critic, separate_critic: bool, accelerator) -> TrainerState:
     """Load what `write_training_state` wrote into the live objects; returns the trainer state."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    state = TrainerState.from_json(json.loads((folder / TRAINER_STATE).read_text()))
+    state = read_trainer_state(folder)
     set_peft_model_state_dict(model, load_file(str(folder / "adapter_model.safetensors")))
     if separate_critic:  # peft saves a second adapter in a folder named after it
         set_peft_model_state_dict(model, load_file(str(folder / CRITIC_ADAPTER / "adapter_model.safetensors")),

@@ -14,11 +14,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shlex
 import sys
 import warnings
 from pathlib import Path
+
+from .outputs import check_new_file
 
 
 def _number(kind, low, high=None, low_open=False):
@@ -160,55 +164,91 @@ def cmd_train(args, on_phase=None) -> int:
     `on_phase`: see Trainer (the fault soak's seam)."""
     from .config import load_config
     from .errors import Preempted
+    from .outputs import add_to_report
+    from .preemption import at_once
     from .trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    trainer = Trainer(cfg, resume=args.resume, on_phase=on_phase)
+    out, resume = Path(cfg.run.output_dir), shlex.join(_resume_command(args))
+    got: list = []  # the signal that stopped a stage outside the loop (at_once), if any
+    with at_once(got):  # (loading and evaluating: a signal stops at once, as nothing of the run is at stake)
+        try:
+            trainer = Trainer(cfg, resume=args.resume, on_phase=on_phase)
+        except KeyboardInterrupt:
+            print("docuchat-rl: interrupted while the run was starting: nothing was trained or written",
+                  file=sys.stderr, flush=True)
+            return 128 + int(got[0]) if got else 130
     report: dict = {}
     do_eval = bool(cfg.eval.before_and_after and cfg.data.test)  # every process evaluates a share of the rows
     try:
         if do_eval and trainer.step == 0:
-            try:
+            with at_once(got):
                 report["before"] = trainer.evaluate()
-            except KeyboardInterrupt:  # (Trainer.train handles SIGINT itself; this is before it)
-                if trainer.is_main:
-                    print("docuchat-rl: interrupted during the evaluation before training: nothing was trained; "
-                          "run the same command to start again", file=sys.stderr, flush=True)
-                return 130
             if trainer.is_main:
                 print("eval before:", json.dumps(report["before"]), flush=True)
+                add_to_report(out / "eval.json", "before", report["before"])  # (now: a run stopped or killed
+                # later keeps it, and a resume leaves it)
         trainer.train(stop_after=args.stop_after)
     except Preempted as p:
         if trainer.is_main:
-            print(f"docuchat-rl: {p}; resume with: {shlex.join(_resume_command(args))}", file=sys.stderr, flush=True)
+            how = (f"resume with: {resume}" if p.checkpoint else
+                   "nothing was trained: run the same command to start again")
+            print(f"docuchat-rl: {p}; {how}", file=sys.stderr, flush=True)
         return 128 + p.signal_number
-    except KeyboardInterrupt:  # a second signal while stopping (Preemption): at once, between checkpoints
+    except KeyboardInterrupt as e:  # a second signal while stopping (Preemption), at once between checkpoints;
+        # a signal during the evaluation before training; or raised by code (a reward), not by a signal
+        stopped = trainer.preemption.second or (got[0] if got else None)
         if trainer.is_main:
-            latest = Path(cfg.run.output_dir) / "latest"
-            last = (f"the last checkpoint ({latest.read_text().strip()}) is intact; resume with: "
-                    f"{shlex.join(_resume_command(args))}" if latest.exists() else "no checkpoint was written yet")
-            print(f"docuchat-rl: stopped at once by a second signal; {last}", file=sys.stderr, flush=True)
-        return 130
+            last = (f"the last checkpoint ({(out / 'latest').read_text().strip()}) is intact; resume with: {resume}"
+                    if (out / "latest").exists() else
+                    "no checkpoint was written yet: run the same command to start again")
+            if stopped is None:
+                print(f"docuchat-rl: error: KeyboardInterrupt raised {_raised_at(e)}, not by a signal: the run "
+                      f"stopped; {last}", file=sys.stderr, flush=True)
+            elif trainer.preemption.second is not None:
+                print(f"docuchat-rl: stopped at once by a second signal ({stopped.name}); {last}", file=sys.stderr,
+                      flush=True)
+            else:
+                print(f"docuchat-rl: {stopped.name} during the evaluation before training: nothing was trained; "
+                      "run the same command to start again", file=sys.stderr, flush=True)
+        return 2 if stopped is None else 128 + int(stopped)
     finally:
         trainer.close()
     if trainer.step < cfg.run.steps:  # --stop-after: no "after" evaluation of an unfinished run
         if trainer.is_main:
-            print(f"docuchat-rl: stopped after step {trainer.step} of {cfg.run.steps}; go on with: "
-                  f"{shlex.join(_resume_command(args))}", file=sys.stderr, flush=True)
+            print(f"docuchat-rl: stopped after step {trainer.step} of {cfg.run.steps}; go on with: {resume}",
+                  file=sys.stderr, flush=True)
         return 0
     if do_eval:
         last = trainer.last_eval
-        # the periodic eval of the final step is the same evaluation: reuse it
-        report["after"] = ({k: v for k, v in last.items() if k not in ("step", "minutes")}
-                           if last and last["step"] == trainer.step else trainer.evaluate())
+        try:  # (the periodic eval of the final step is the same evaluation: reused)
+            with at_once(got):
+                report["after"] = ({k: v for k, v in last.items() if k not in ("step", "minutes")}
+                                   if last and last["step"] == trainer.step else trainer.evaluate())
+        except KeyboardInterrupt:
+            if trainer.is_main:
+                print(f"docuchat-rl: interrupted during the evaluation after training; the run is complete "
+                      f"(checkpoint-{trainer.step}): docuchat-rl eval --adapter {out} evaluates it",
+                      file=sys.stderr, flush=True)
+            return 128 + int(got[0]) if got else 130
         if trainer.is_main:
             print("eval after: ", json.dumps(report["after"]), flush=True)
-            (Path(cfg.run.output_dir) / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
-    out = Path(cfg.run.output_dir)
+            add_to_report(out / "eval.json", "after", report["after"])
     if trainer.is_main:
         print(f"outputs: {out / 'latest'} -> checkpoint, {out / 'metrics.jsonl'}, {out / 'traces.jsonl'}"
               + (f", {out / 'eval.json'}" if do_eval else ""))
     return 0
+
+
+def _raised_at(error: BaseException) -> str:
+    """Where an exception was raised: 'in FILE:LINE (FUNCTION)' of its innermost frame."""
+    import traceback
+
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return "in the run"
+    f = frames[-1]
+    return f"in {f.filename}:{f.lineno} ({f.name})"
 
 
 def cmd_eval(args) -> int:
@@ -219,6 +259,8 @@ def cmd_eval(args) -> int:
     from .evaluate import evaluate
     from .inference import load_policy
 
+    if args.out:
+        check_new_file(args.out, "--out")
     cfg = _config_for(args)  # (with --adapter and no --config: the checkpoint's own recipe, as generate)
     # under torchrun / accelerate launch each process evaluates a share of the rows; the main one reports
     dist = Dist.from_accelerator(PartialState(cpu=on_cpu(cfg.model.device)))
@@ -254,9 +296,14 @@ def _sampling(args, cfg) -> dict:
 
 
 def _examples(args, cfg):
-    from .data import DataError, Example, load_examples, load_split
+    from .data import DataError, Example, check_utf8, load_examples, load_split
+    from .inference import is_text
 
     if args.prompt:
+        for i, p in enumerate(args.prompt, 1):
+            if not is_text(p):
+                raise DataError(f"--prompt number {i} is not UTF-8 text (undecodable bytes): pass UTF-8, or put "
+                                "the prompts in a UTF-8 file for --file")
         return [Example(i, p, "") for i, p in enumerate(args.prompt)]
     if args.held_out:
         return load_split(cfg.data, "test", args.held_out)
@@ -264,7 +311,8 @@ def _examples(args, cfg):
     if path.suffix.lower() == ".txt":
         if not path.exists():
             raise DataError(f"prompt file not found: {path}")
-        lines = [x.strip() for x in path.read_text().splitlines() if x.strip()]
+        check_utf8(path)
+        lines = [x.strip() for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
         if not lines:
             raise DataError(f"prompt file {path} has no prompts")
         return [Example(i, q, "") for i, q in enumerate(lines)]
@@ -330,9 +378,12 @@ def cmd_chat(args) -> int:
         print("docuchat-rl: error: chat reads your messages from standard input, which is closed: run it in a "
               "terminal or pipe the messages in (generate --prompt answers without one)", file=sys.stderr)
         return 2
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 read as surrogates, which chat refuses per
+        sys.stdin.reconfigure(errors="surrogateescape")  # line (a decoding error would lose the rest of the input)
     cfg = _config_for(args)
     model, tok = load_policy(cfg, args.adapter)
     s = _sampling(args, cfg)
+
     def show(text: str) -> None:
         print(text, end="", flush=True)
 
@@ -443,12 +494,18 @@ def cmd_rescore(args) -> int:
     from .outputs import JsonlWriter
     from .replay import component_deltas, rescore, run_config
 
+    if args.out:
+        check_new_file(args.out, "--out")
     run = Path(args.run)  # --config, else the run's own recipe; then --set
     cfg = load_config(args.config, args.overrides) if args.config else \
         config_from_dict(run_config(run if run.is_dir() else run.parent), args.overrides)
     result = rescore(args.run, cfg)
+    if result.skipped:
+        print(f"docuchat-rl: warning: skipped {result.skipped} line{'s' * (result.skipped != 1)} of {args.run} that "
+              f"{'is not a trace line' if result.skipped == 1 else 'are not trace lines'} (first: "
+              f"{result.first_skipped})", file=sys.stderr)
     if args.out:
-        out = JsonlWriter(Path(args.out), truncate_to=0)
+        out = JsonlWriter(Path(args.out))
         out.write(result.lines)
         out.close()
     if args.json:
@@ -505,6 +562,9 @@ def cmd_audit(args) -> int:
     from .report import html_report, print_records, print_summary
 
     console = Console()
+    for flag, path in (("--export", args.export), ("--html", args.html)):
+        if path:
+            check_new_file(path, flag)
     if args.compare:
         result = compare(*args.compare, accuracy=args.accuracy)
         if args.json:
@@ -552,12 +612,28 @@ def cmd_audit(args) -> int:
     return 0
 
 
+def _checkpoint_left(args) -> str:
+    """What a failed `train` leaves to resume from ('; the last checkpoint (checkpoint-N) is intact'), or ''
+    for the other commands, which write no checkpoint."""
+    if args.command != "train":
+        return ""
+    try:
+        from .config import load_config
+
+        latest = Path(load_config(args.config, args.overrides).run.output_dir) / "latest"
+        name = latest.read_text().strip()
+    except Exception:  # (no config to read, or no `latest`: nothing was checkpointed)
+        return "; no checkpoint was written"
+    return f"; the last checkpoint ({name}) is intact; resume with: {shlex.join(_resume_command(args))}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; the project's errors become one `docuchat-rl: error:` line and exit code 2."""
     args = parser().parse_args(argv)
     # peft reads transformers' deprecated `is_gradient_checkpointing` on every PeftModel: noise, not ours.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     from rewards import RewardError
+    from rewards.composite import RewardFailure
 
     from .audit import AuditError
     from .config import ConfigError
@@ -572,7 +648,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "generate": cmd_generate,
                 "chat": cmd_chat, "export": cmd_export, "audit": cmd_audit,
                 "get-model": cmd_get_model, "replay": cmd_replay, "rescore": cmd_rescore}
-    finished = False  # (the command returned: its processes wait for each other before they leave the group)
+    if args.command not in ("train", "get-model") and (sys.stdout is None or sys.stdout.closed):
+        print(f"docuchat-rl: error: {args.command} writes its results to standard output, which is closed: run it "
+              "with standard output open (redirect it to a file to keep it)", file=sys.stderr)
+        return 2
+    code, finished = 2, False  # (finished: the command returned; its processes wait for each other at the end)
     try:
         if getattr(args, "adapter", None):  # a run folder or its `latest`: the newest intact checkpoint
             from .checkpoint import resolve_adapter
@@ -580,21 +660,35 @@ def main(argv: list[str] | None = None) -> int:
             args.adapter = str(resolve_adapter(args.adapter))
         code = commands[args.command](args)
         finished = True
-        return code
     except (ConfigError, DataError, AuditError, TrainingError, ModelError, CheckpointError, RewardError,
             ReplayError, FileNotFoundError, FileExistsError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
-        return 2
+    except RewardFailure as e:  # rewards.strict: the first failing reward call ends the command
+        print(f"docuchat-rl: error: {e} (rewards.strict is on){_checkpoint_left(args)}", file=sys.stderr)
+    except BrokenPipeError:  # the reader of standard output went away (`| head`): stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (no second error at exit's flush)
+        code = 141
     except KeyboardInterrupt:  # Ctrl-C outside training's own handler (loading, evaluating, generating)
         print(f"docuchat-rl: interrupted ({args.command})", file=sys.stderr)
-        return 130
+        code = 130
     except OSError as e:  # the disk: full, read-only, a size limit
         where = f" ({e.filename})" if e.filename else ""
-        print(f"docuchat-rl: error: could not write{where}: {e.strerror or e}; the last checkpoint is intact",
+        print(f"docuchat-rl: error: could not write{where}: {e.strerror or e}{_checkpoint_left(args)}",
               file=sys.stderr)
-        return 2
-    finally:
-        if "torch.distributed" in sys.modules:  # (a command that never loaded torch started no processes)
+    except BaseException:  # a bug: its traceback, after the processes left their group
+        if "torch.distributed" in sys.modules:
             from .distributed import end_processes
 
-            end_processes(together=finished)  # under a launcher: every process leaves the group before it exits
+            end_processes(together=False)
+        raise
+    if "torch.distributed" in sys.modules:  # (a command that never loaded torch started no processes)
+        from .distributed import end_processes
+
+        if end_processes(together=finished):  # under a launcher: every process leaves the group, then exits
+            # without the interpreter's teardown, where gloo's threads could still abort the process
+            # ("terminate called without an active exception") after its work is done
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+    return code

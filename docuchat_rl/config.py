@@ -18,7 +18,7 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
 
-from .algorithm_configs import ALGORITHMS, AlgorithmConfig, BatchShape, GRPOConfig
+from .algorithm_configs import ALGORITHMS, AlgorithmConfig, BatchShape, GRPOConfig, Keys
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the problem. Think step by step inside <think> </think>, "
@@ -43,8 +43,8 @@ class ConfigError(ValueError):
     """A configuration that cannot run; the message is one line naming the key at fault."""
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+class Section(Keys):
+    """A section of the run's config (see algorithm_configs.Keys)."""
 
 
 class ModelConfig(Section):
@@ -79,6 +79,13 @@ class LoraConfig(Section):
     """Module names to adapt, or all-linear for every linear layer but the output head."""
     fused: Switch = AUTO
     """Train each adapted Linear as one matmul with W + s*B*A, not peft's three (same gradients; float32 weights only, off under FSDP2; auto: on on CPUs, off on GPUs, CPU-measured only)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_module(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("must name at least one module (or all-linear): an adapter on nothing trains nothing")
+        return v
 
 
 class DataConfig(Section):
@@ -423,6 +430,9 @@ def _one_line(err: ValidationError) -> str:
             allowed = ", ".join(sorted(ALGORITHMS[algo].model_fields))
             return (f"config key 'algorithm.{'.'.join(map(str, loc[1:]))}' does not apply to algorithm "
                     f"{algo!r}; its keys are: {allowed}")
+    if e["type"] == "bool_as_number":  # (Keys' check: a model-level error that names its field)
+        key = ".".join(str(p) for p in (*loc, e["ctx"]["field"]))
+        return f"config key {key!r}: must be a number, not true/false (got {e['ctx']['value']!r})"
     members = [p for p in loc if p in _UNION_MEMBERS or str(p).startswith("literal[")]
     if members:  # a value of a union (a switch: true, false or auto): pydantic reports one error per member
         key = ".".join(str(p) for p in loc if p not in members)
@@ -518,9 +528,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.exists():
             raise ConfigError(f"config file not found: {p}")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from e
+        except UnicodeDecodeError as e:
+            line = p.read_bytes()[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{p}: line {line} is not UTF-8 text; save the recipe as UTF-8") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
     return config_from_dict(raw, overrides)

@@ -12,6 +12,8 @@ Deliberately left out: streaming data sets; tool calls and images inside message
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
 from dataclasses import dataclass, field
@@ -70,7 +72,7 @@ class Example:
     messages: tuple[dict, ...] | None = None  # a conversational prompt's messages, as the data set gave them
 
 
-def _check_utf8(path: Path) -> None:
+def check_utf8(path: Path) -> None:
     """Refuse a text data file that is not UTF-8, naming its first bad line (datasets reads such a file and
     fails only later, when a row is read, with a traceback that names neither the file nor the row)."""
     with open(path, "rb") as f:
@@ -99,7 +101,7 @@ def load_table(source: str, split: str, revision: str | None = None, subset: str
         if path.stat().st_size == 0:
             raise DataError(f"data file is empty: {source}")
         if fmt != "parquet":
-            _check_utf8(path)
+            check_utf8(path)
         bars = datasets.utils.logging.is_progress_bar_enabled()
         datasets.utils.logging.disable_progress_bar()  # (a bar per local file read is noise on the terminal)
         try:
@@ -169,6 +171,18 @@ def load_split(d: DataConfig, which: str, limit: int | None = None) -> list[Exam
         raise DataError(f"data.{which} is null: there are no {which} rows")
     return load_examples(source, split, d.prompt_column, d.answer_column, limit=limit, revision=d.revision,
                          subset=d.subset)
+
+
+def fingerprint(examples: list[Example]) -> dict:
+    """What identifies the training rows a run draws from: their count and a sha256 over every row's
+    prompt, messages, gold answer and other columns (whatever the source: a file or a hub data set), so
+    that a resume notices a data file changed under the same name."""
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(json.dumps([e.question, e.messages, e.answer, e.columns], sort_keys=True, default=str,
+                            ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        h.update(b"\n")
+    return {"rows": len(examples), "sha256": h.hexdigest()[:16]}
 
 
 def reward_inputs(examples: list[Example], completion_tokens: list[int], truncated: list[bool]) -> dict[str, list]:

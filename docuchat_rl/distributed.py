@@ -36,23 +36,26 @@ import torch
 from .modeling import base_model
 
 
-def end_processes(together: bool = True) -> None:
+def end_processes(together: bool = True) -> bool:
     """Tear down the process group, if one was started, before the interpreter exits. Without it a gloo
     process whose peer exited first can abort at exit ("terminate called without an active exception",
     SIGABRT) after its work is done, and the launcher reports the whole run as failed. `together` (a
     command that finished normally): first wait, up to a minute, until every process is here, so no process
-    tears its connections down while another still uses them (with the teardown alone the abort still came
-    in 2 of 5 full test runs on 2026-11-24). After an error the processes do not wait for each other."""
+    tears its connections down while another still uses them. After an error the processes do not wait for
+    each other. With both, the abort still came in 2 of 5 full test runs (2026-11-24): the caller then ends
+    the process without the interpreter's teardown (cli.main). Returns whether a group was torn down."""
     import datetime
 
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        if together:
-            with contextlib.suppress(RuntimeError):  # (a peer that failed: the launcher ends this process anyway)
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60)) if dist.get_backend() == "gloo" \
-                    else dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    if together:
+        with contextlib.suppress(RuntimeError):  # (a peer that failed: the launcher ends this process anyway)
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=60)) if dist.get_backend() == "gloo" \
+                else dist.barrier()
+    dist.destroy_process_group()
+    return True
 
 
 def no_reduce(x: torch.Tensor) -> torch.Tensor:

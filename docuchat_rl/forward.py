@@ -32,7 +32,7 @@ import torch
 
 from .batch import Batch
 from .losses import FILTERED, chunked_token_stats, dropped, kept_floor, token_entropy, token_logprobs
-from .modeling import base_model, in_compute_context
+from .modeling import base_model, cache_of, in_compute_context, with_cache
 
 
 @dataclass
@@ -116,14 +116,14 @@ def _shared_prompt_forward(model, batch: Batch, parts: list[tuple[list[int] | No
     for rows, width in parts:
         index = slice(None) if rows is None else torch.tensor(rows).to(device)  # [n]
         prompt_of = inverse if rows is None else [inverse[r] for r in rows]  # [n] each row's prompt
-        cache = head.past_key_values if len(parts) == 1 else _own_cache(head.past_key_values)
+        cache = cache_of(head) if len(parts) == 1 else _own_cache(cache_of(head))
         _select_rows(cache, prompt_of)  # [U, ...] -> [n, ...]
         # completion token 0 is predicted by the prompt's last position, token j > 0 by completion position j-1
         hidden = _spread(head.last_hidden_state[:, -1:], prompt_of)  # [n, 1, H]
         if width > 1:
             tail = decoder(input_ids=batch.completion_ids[index, :width - 1],
                            attention_mask=batch.attention_mask[index, :lp + width - 1],
-                           position_ids=positions[index, :width - 1], past_key_values=cache, use_cache=True)
+                           position_ids=positions[index, :width - 1], use_cache=True, **with_cache(decoder, cache))
             hidden = torch.cat([hidden, tail.last_hidden_state], 1)  # [n, T_part, H]
         out.append(hidden)
     return out

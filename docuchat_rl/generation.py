@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .grouped_decode import GroupedSteps, additive_mask, plain_full_attention, supports
-from .modeling import base_model, in_compute_context
+from .modeling import base_model, cache_of, in_compute_context, with_cache
 
 
 DONE_CHECK_EVERY = 8  # the decode loop asks whether every row has finished every this many tokens
@@ -220,8 +220,8 @@ class _ModelSteps:
     def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Logits [r, V] after tokens [r] at completion position t (0-based) of each row still decoding."""
         out = self.model(input_ids=tokens[:, None], attention_mask=self.mask[..., :self.prompt_len + t + 1],
-                         position_ids=self.next_pos + t, past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+                         position_ids=self.next_pos + t, use_cache=True, logits_to_keep=1,
+                         **with_cache(self.model, self.cache))
         return out.logits[:, -1]
 
 
@@ -236,8 +236,8 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
 
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=True, logits_to_keep=1)
-    kind = GroupedSteps if grouped and lockstep is None and supports(model, out.past_key_values) else _ModelSteps
-    decode = kind(model, out.past_key_values, attention_mask, repeats, max_new_tokens)
+    kind = GroupedSteps if grouped and lockstep is None and supports(model, cache_of(out)) else _ModelSteps
+    decode = kind(model, cache_of(out), attention_mask, repeats, max_new_tokens)
     logits = out.logits[:, -1].repeat_interleave(repeats, 0)  # [R, V]
     rows = input_ids.shape[0] * repeats
     stop_t = torch.tensor(stop, device=input_ids.device)

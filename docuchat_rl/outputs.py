@@ -29,26 +29,108 @@ def _clean(x: Any) -> Any:
 
 
 RUN_FILES = ("traces.jsonl", "metrics.jsonl", "eval.jsonl", "eval.json", "latest")
+STEP_FILES = {"traces": "traces.jsonl", "metrics": "metrics.jsonl", "evals": "eval.jsonl"}  # checkpoint offset keys
 
 
-def claim_output_dir(out_dir: Path, overwrite: bool) -> None:
-    """Make `out_dir` ready for a fresh run: the outputs files append, so an earlier run's records would
-    mix with this run's. Raises ValueError naming what is there, or removes it when `overwrite`.
-    Only the files a run writes are touched; anything else in the folder stays."""
+def _started_only(path: Path) -> bool:
+    """An eval.json holding only the evaluation before training: a start that trained nothing."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and set(report) <= {"before"}
+
+
+def run_files(out_dir: Path) -> list[Path]:
+    """What an earlier run left in `out_dir` that a new one would mix with: its non-empty run files and its
+    checkpoints (empty files and a before-training evaluation alone are a start that trained nothing)."""
     out_dir = Path(out_dir)
-    files = [out_dir / n for n in RUN_FILES if (out_dir / n).exists()]
-    checkpoints = sorted(out_dir.glob("checkpoint-*"))
-    # empty run files (a start that failed before writing anything) hold nothing to lose or to resume
-    found = [p for p in files if p.stat().st_size > 0] + checkpoints
+    files = [out_dir / n for n in RUN_FILES if (out_dir / n).is_file() and (out_dir / n).stat().st_size > 0]
+    found = [p for p in files if not (p.name == "eval.json" and _started_only(p))]
+    return found + sorted(p for p in out_dir.glob("checkpoint-*") if p.is_dir())
+
+
+def claim_output_dir(out_dir: Path, overwrite: bool, resuming: Path | None = None) -> None:
+    """Make `out_dir` ready for a fresh run (or for a run resumed from another folder's checkpoint,
+    `resuming`): the outputs files append, so an earlier run's records would mix with this run's. Raises
+    ValueError naming what is there, or removes it when `overwrite`. Only the files a run writes are
+    touched; anything else in the folder stays."""
+    out_dir = Path(out_dir)
+    found = run_files(out_dir)
     if found and not overwrite:
         names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
-        resumable = checkpoints or (out_dir / "latest").exists()
+        if resuming is not None:
+            raise ValueError(f"run.output_dir {out_dir} already holds another run ({names}); resuming "
+                             f"{resuming} there would cut its files: choose a new run.output_dir (the resumed run "
+                             f"copies {resuming.parent.name}'s traces and metrics up to that checkpoint into it)")
+        resumable = any(p.name.startswith("checkpoint-") for p in found) or (out_dir / "latest").exists()
         how = ("continue it with --resume latest, choose" if resumable else
                "it has no checkpoint to resume from: choose")
         raise ValueError(f"run.output_dir {out_dir} already holds a run ({names}): {how} another run.output_dir, "
                          f"or set run.overwrite=true to replace it")
-    for path in files + checkpoints:
+    for path in [out_dir / n for n in RUN_FILES if (out_dir / n).exists()] + list(out_dir.glob("checkpoint-*")):
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def adopt_history(out_dir: Path, source: Path, offsets: dict[str, int]) -> None:
+    """A run resumed into `out_dir` from a checkpoint of another folder (`source`, its run folder) starts
+    with that run's history up to the checkpoint: each file's first `offsets` bytes, and its evaluation
+    before training. The source is only read."""
+    for key, name in STEP_FILES.items():
+        src = Path(source) / name
+        if key in offsets and src.is_file():
+            with open(src, "rb") as f, open(Path(out_dir) / name, "wb") as dst:
+                dst.write(f.read(offsets[key]))
+                os.fsync(dst.fileno())
+    before = Path(source) / "eval.json"
+    if before.is_file():
+        try:
+            report = json.loads(before.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(report, dict) and "before" in report:
+            write_report(Path(out_dir) / "eval.json", {"before": report["before"]})
+
+
+def write_report(path: Path, report: dict) -> None:
+    """A small JSON file written whole or not at all (a temporary file renamed over it)."""
+    tmp = Path(path).with_name(Path(path).name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def add_to_report(path: Path, key: str, value: dict) -> dict:
+    """`path`'s JSON object with `key` set to `value`, written back whole; a missing or damaged file
+    starts empty. Returns the report."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        report = {}
+    report = {**(report if isinstance(report, dict) else {}), key: value}
+    write_report(path, report)
+    return report
+
+
+def is_run_folder(folder: Path) -> bool:
+    """Whether `folder` holds a training run (its `latest`, a checkpoint, or its traces)."""
+    folder = Path(folder)
+    return folder.is_dir() and bool((folder / "latest").exists() or (folder / "traces.jsonl").exists()
+                                    or any(folder.glob("checkpoint-*")))
+
+
+def check_new_file(path: str | Path, flag: str) -> Path:
+    """Refuse (FileExistsError, one line) to write a command's output file over anything: a training run's
+    own files, or any file that exists (a command writes only files it creates). Returns the path."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileExistsError(f"{flag} {path} is a folder: give a file name")
+    if (path.name in RUN_FILES + (RunLock.NAME,) and is_run_folder(path.parent)) or \
+            path.resolve().parent.name.startswith("checkpoint-"):
+        raise FileExistsError(f"{flag} {path} is a file of the training run in {path.parent}: write the output "
+                              "beside the run, under another name")
+    if path.exists():
+        raise FileExistsError(f"{flag} {path} already exists: give a new file name (nothing is overwritten)")
+    return path
 
 
 class JsonlWriter:
@@ -72,11 +154,11 @@ class JsonlWriter:
             while view:  # a raw write may be short (a size limit reached mid-write)
                 view = view[self._f.write(view):]
             os.fsync(self._f.fileno())
-        except OSError:
+        except OSError as e:
             with contextlib.suppress(OSError):
                 self._f.seek(start)
                 self._f.truncate(start)
-            raise
+            raise OSError(e.errno, e.strerror, str(self.path)) from e  # (the error names the file)
 
     @property
     def offset(self) -> int:
@@ -86,18 +168,21 @@ class JsonlWriter:
         self._f.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
+def read_jsonl(path: str | Path, skipped: list[int] | None = None) -> list[dict]:
     """All complete, valid records: a torn line (a run killed mid-write), one that is not an object or not
-    UTF-8 (a damaged or hand-edited file) is skipped."""
+    UTF-8 (a damaged or hand-edited file) is skipped, its line number appended to `skipped` when given (a
+    command that reads a user's file says how many it skipped)."""
     out = []
     with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                continue
+                rec = None
             if isinstance(rec, dict):
                 out.append(rec)
+            elif line.strip() and skipped is not None:
+                skipped.append(number)
     return out
 
 

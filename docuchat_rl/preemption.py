@@ -33,30 +33,25 @@ class Preemption:
     def __init__(self, dist: Dist):
         self.dist = dist
         self.signal: signal.Signals | None = None
+        self.second: signal.Signals | None = None  # a second signal, which stopped the run at once
 
     @contextlib.contextmanager
     def handling(self):
         """Install the handlers for SIGTERM and SIGINT for the block (main thread only), then put back
         the previous ones."""
-        self.signal = None
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
+        self.signal = self.second = None
 
         def ask(signum, frame):
             if self.signal is not None:
                 signal.signal(signal.SIGINT, signal.default_int_handler)
+                self.second = signal.Signals(signum)
                 raise KeyboardInterrupt
             self.signal = signal.Signals(signum)
             print(f"docuchat-rl: {self.signal.name} received: stopping at the next safe point "
                   "(send it again to stop at once)", file=sys.stderr, flush=True)
 
-        previous = {s: signal.signal(s, ask) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
+        with _handled_by(ask):
             yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
 
     def requested(self) -> bool:
         """Whether any process was asked to stop (a collective: every process calls it at the same point)."""
@@ -64,6 +59,34 @@ class Preemption:
         if signum and self.signal is None:
             self.signal = signal.Signals(signum)
         return bool(signum)
+
+
+@contextlib.contextmanager
+def at_once(got: list):
+    """For the block, SIGTERM stops at once as SIGINT does (KeyboardInterrupt), the signal appended to `got`:
+    for stages with nothing to save (loading, evaluating), where SIGTERM's default would end the process
+    without a word (main thread only)."""
+    def stop(signum, frame):
+        got.append(signal.Signals(signum))
+        raise KeyboardInterrupt
+
+    with _handled_by(stop):
+        yield
+
+
+@contextlib.contextmanager
+def _handled_by(handler):
+    """SIGTERM and SIGINT go to `handler` for the block, the previous handlers put back after (signals are
+    handled in the main thread only: elsewhere the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 @dataclass(frozen=True)

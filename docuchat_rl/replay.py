@@ -32,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import list_checkpoints, verify_checkpoint
+from .checkpoint import list_checkpoints, saved_config, verify_checkpoint
 from .config import Config, config_from_dict
 from .data import DataError, Example
 from .errors import ReplayError
 from .outputs import read_jsonl
-from .traces import library_versions
+from .traces import library_versions, mistyped
 
 
 def _where(t: dict) -> str:
@@ -48,7 +48,7 @@ def run_config(run_dir: Path) -> dict:
     """The run's recipe: run_config.json of its newest intact checkpoint."""
     for folder in reversed(list_checkpoints(run_dir)):
         if verify_checkpoint(folder) is None and (folder / "run_config.json").exists():
-            return json.loads((folder / "run_config.json").read_text())["config"]
+            return saved_config(folder)
     raise ReplayError(f"{run_dir}: no intact checkpoint holds the run's config (run_config.json)")
 
 
@@ -94,6 +94,10 @@ class Replayed:
                 "total_traced": t["total"], "total_now": self.total_now, "completion_now": self.text}
 
 
+RESCORED = ("step", "prompt_id", "sample", "prompt", "completion", "completion_tokens", "truncated", "rewards",
+            "total")  # the fields a traced completion must hold to be rescored (or replayed)
+
+
 def _check_replayable(traces: list[dict], cfg: dict) -> None:
     """Refuse, naming why, what cannot be replayed exactly: no coordinate, other library versions."""
     now = library_versions()
@@ -101,6 +105,7 @@ def _check_replayable(traces: list[dict], cfg: dict) -> None:
         if t.get("seed") is None or t.get("completion_ids") is None or t.get("sampling") is None:
             raise ReplayError(f"{_where(t)}: the trace line has no replay coordinate (seed, completion_ids, "
                               "sampling): it was written by a docuchat-rl that did not record them")
+        _check_types(t)
         engine = t["sampling"].get("engine")
         for lib in ("torch", "transformers") + (("vllm",) if engine == "vllm" else ()):
             was = (t.get("versions") or {}).get(lib)
@@ -110,6 +115,26 @@ def _check_replayable(traces: list[dict], cfg: dict) -> None:
         if engine is not None and engine != cfg["rollout"]["engine"]:  # (a saved config's engine is decided)
             raise ReplayError(f"{_where(t)} was sampled by the {engine} engine, the run's config says "
                               f"{cfg['rollout']['engine']}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_types(t: dict) -> None:
+    """A trace line's replay fields hold what a trace writes (a hand-edited line is one line of error)."""
+    problem = mistyped(t, RESCORED)
+    if problem:
+        raise ReplayError(f"{_where(t)}: {problem}")
+    for key in ("step", "prompt_id", "sample", "slot", "seed"):
+        if not _is_int(t.get(key)) or t[key] < (1 if key == "step" else 0):
+            raise ReplayError(f"{_where(t)}: field {key} is {t.get(key)!r}, not a trace's "
+                              f"{'step (an integer from 1)' if key == 'step' else 'non-negative integer'}")
+    ids = t["completion_ids"]
+    if not isinstance(ids, list) or not all(_is_int(i) and i >= 0 for i in ids):
+        raise ReplayError(f"{_where(t)}: field completion_ids is not a list of token ids (non-negative integers)")
+    if not isinstance(t.get("sampling"), dict):
+        raise ReplayError(f"{_where(t)}: field sampling is not an object")
 
 
 def _start_step(run_dir: Path, target: int, first_traced: int) -> tuple[Path | None, int]:
@@ -161,6 +186,11 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
                     trainer.close()
                     shutil.rmtree(tmp / "run", ignore_errors=True)
                 trainer = Trainer(cfg, resume=str(folder) if folder else None, quiet=True)
+            vocab = trainer.learner.model.get_output_embeddings().weight.shape[0]
+            for t in group:
+                if any(i >= vocab for i in t["completion_ids"]):
+                    raise ReplayError(f"{_where(t)}: completion_ids holds a token id beyond the model's "
+                                      f"vocabulary of {vocab}: the line was not written by this run")
             todo = target - trainer.step
             say(f"docuchat-rl: replay of step {step}: the policy of step {target}, "
                 + (f"from {folder.name}" if trainer.step == at and folder else
@@ -213,6 +243,8 @@ class Rescored:
     lines: list[dict]
     changed: list[dict] = field(default_factory=list)  # the lines whose total or advantage changed
     advantages: bool = True  # False when the algorithm's advantages need its critic (not recomputed)
+    skipped: int = 0  # lines of the file that are not trace lines (torn, not JSON objects, mistyped)
+    first_skipped: str | None = None  # where the first of them is, and why
 
 
 def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
@@ -231,9 +263,13 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
     if not path.exists():
         raise ReplayError(f"{run_dir}: no traces.jsonl")
     cfg = cfg or config_from_dict(run_config(path.parent))
-    traces = read_jsonl(path)
+    unreadable: list[int] = []
+    lines = read_jsonl(path, unreadable)
+    traces = [t for t in lines if mistyped(t, RESCORED) is None]
+    skipped = [f"line {n}: not a JSON object" for n in unreadable[:1]]
+    skipped += [f"{_where(t)}: {mistyped(t, RESCORED)}" for t in lines if mistyped(t, RESCORED)][:1]
     if not traces:
-        raise ReplayError(f"{path}: no trace lines")
+        raise ReplayError(f"{path}: no trace lines" + (f" ({skipped[0]})" if skipped else ""))
     rows: dict[int, Example] = {}
     try:  # the data rows give the rewards their columns (a `solution` column, say); the traces keep the text
         rows = {e.prompt_id: e for e in load_split(cfg.data, "train")}
@@ -243,7 +279,8 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
     cls = get_algorithm_class(cfg.algorithm.name)
     critic_free = not issubclass(cls, ActorCritic)  # (a critic's advantages need its values: the model)
     algo = cls(cfg) if critic_free else None
-    result = Rescored([], advantages=critic_free)
+    result = Rescored([], advantages=critic_free, skipped=len(unreadable) + len(lines) - len(traces),
+                      first_skipped=skipped[0] if skipped else None)
     for step, group in itertools.groupby(traces, key=lambda t: t.get("step")):
         group = list(group)
         examples = []

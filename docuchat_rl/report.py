@@ -30,7 +30,7 @@ def print_summary(summary: dict, findings: list[Finding], malformed: list[dict],
     console = console or Console()
     console.print(f"[bold]{summary['records']}[/] records, components: {', '.join(summary['components'])}")
     for m in malformed[:10]:
-        console.print(f"[yellow]skipped malformed line {m['line']} of {m['source']}[/]: {m['text']!r}")
+        console.print(f"[yellow]skipped malformed line {m['line']} of {m['source']}[/] ({m['why']}): {m['text']!r}")
     if len(malformed) > 10:
         console.print(f"[yellow]... and {len(malformed) - 10} more malformed lines[/]")
     over = Table(title="over time")
@@ -196,7 +196,7 @@ def html_report(store: TraceStore, summary: dict, findings: list[Finding], title
                "(the first 200)</p><table><tr><th>step</th><th>prompt</th><th>sample</th><th>completion</th>"
                "<th>total before</th><th>total now</th><th>advantage before</th><th>advantage now</th>"
                f"<th>contributions before</th><th>contributions now</th></tr>{changed}</table>") if rescored else ""
-    malformed = "".join(f"<li>{e(m['source'])}:{m['line']}: <code>{e(m['text'])}</code></li>"
+    malformed = "".join(f"<li>{e(m['source'])}:{m['line']} ({e(m['why'])}): <code>{e(m['text'])}</code></li>"
                         for m in store.malformed[:50])
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>{e(title)}</title><style>
 body{{font-family:system-ui,sans-serif;margin:2em;max-width:1100px}} table{{border-collapse:collapse}}

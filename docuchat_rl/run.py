@@ -24,9 +24,10 @@ import torch
 from rewards import CompositeReward
 
 from .algorithms import Algorithm, get_algorithm_class
-from .checkpoint import TrainerState, check_resumable, load_training_state, resolve_resume
+from .checkpoint import (TrainerState, check_resumable, checkpoint_step, list_checkpoints, load_training_state,
+                         read_trainer_state, resolve_resume, verify_checkpoint)
 from .config import Config
-from .data import DataError, Example, PromptSampler, load_split, render_prompt
+from .data import DataError, Example, PromptSampler, fingerprint, load_split, render_prompt
 from .lag import Ahead, LaggedPolicies
 from .distributed import (Dist, Sharding, ShardingError, held_bytes, on_cpu, shard_layers, sharding_from_launcher,
                           without_fsdp_env)
@@ -35,7 +36,7 @@ from .fused_lora import fuse_lora
 from .learner import Learner
 from .modeling import (add_critic_adapter, build_lora, disable_dropout, load_model_and_tokenizer, tied_head_adapted,
                        unmergeable)
-from .outputs import JsonlWriter, RunLock, check_writable, claim_output_dir
+from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir
 from .rollout import Collector
 from .scoring import build_reward
 
@@ -53,8 +54,8 @@ def training_dtype(requested: str, device: torch.device, bf16_supported: bool) -
     float16 that `auto` means for inference on older GPUs, V100 and T4)."""
     if requested == "float16":
         raise TrainingError(FLOAT16_REFUSED)
-    if requested == "auto" and device.type == "cuda":
-        return "bfloat16" if bf16_supported else "float32"
+    if requested == "auto":  # (decided here once: the checkpoints record it, and a resume compares it)
+        return "bfloat16" if device.type == "cuda" and bf16_supported else "float32"
     return requested
 
 
@@ -137,15 +138,17 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
     `quiet` leaves the settings a resume applied unsaid (a replay's own)."""
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
-    applied = check_resumable(resume_dir, cfg.to_dict()) if resume_dir else []
     place = _launch(cfg)
-    if applied and place.dist.is_main and not quiet:
-        print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
-              file=sys.stderr, flush=True)
-    cfg = cfg.for_device(place.dist.device.type)  # every `auto` switch decided for this device, once
+    # every `auto` decided for this device, once: the switches, and the dtype (a resume compares what they are)
+    cfg = cfg.for_device(place.dist.device.type)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": place.dtype})})
+    applied = check_resumable(resume_dir, cfg.to_dict()) if resume_dir else []
     lock = None
     try:
         lock = _agree(place.dist, _claim, out_dir, cfg.run.overwrite, resume_dir, place.dist.is_main)
+        if applied and place.dist.is_main and not quiet:
+            print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
+                  file=sys.stderr, flush=True)
         return _build(cfg, out_dir, place, resume_dir, examples, lock)
     except BaseException:
         if lock is not None:
@@ -195,7 +198,9 @@ def _agree(dist: Dist, fn, *args):
 
 
 def _claim(out_dir: Path, overwrite: bool, resume_dir: Path | None, main: bool) -> RunLock | None:
-    """The output folder is writable, locked by this run, and (a new run) empty or overwritable."""
+    """The output folder is writable, locked by this run, and (a new run) empty or overwritable; a resume
+    writes only into its own run's folder from its newest checkpoint on, or into a new folder that starts
+    with the history up to the checkpoint (never cutting another run's files)."""
     check_writable(out_dir)
     if not main:
         return None
@@ -203,10 +208,27 @@ def _claim(out_dir: Path, overwrite: bool, resume_dir: Path | None, main: bool) 
     try:
         if resume_dir is None:
             claim_output_dir(out_dir, overwrite)
+        elif resume_dir.parent.resolve() != out_dir.resolve():  # another run's checkpoint: a new folder
+            claim_output_dir(out_dir, overwrite, resuming=resume_dir)
+            adopt_history(out_dir, resume_dir.parent, read_trainer_state(resume_dir).offsets)
+        else:
+            _check_newest(out_dir, resume_dir)
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def _check_newest(out_dir: Path, resume_dir: Path) -> None:
+    """Resuming inside a run folder starts from its newest intact checkpoint: from an older one, the later
+    steps' traces and metrics would be cut and their checkpoints pruned as newer than the resumed run's."""
+    step = checkpoint_step(resume_dir)
+    newer = [c.name for c in list_checkpoints(out_dir)
+             if checkpoint_step(c) > step and verify_checkpoint(c) is None]
+    if newer:
+        raise ValueError(f"{resume_dir.name} is older than {', '.join(newer)} in {out_dir}: resuming it there would "
+                         f"cut the later steps' traces and checkpoints; resume it into a new folder (--set "
+                         f"run.output_dir=...), which starts with the history up to step {step}")
 
 
 def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example] | None,
@@ -232,6 +254,9 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         raise DataError(f"{cfg.data.train}: {len(examples)} training row{'s' * (len(examples) != 1)}, fewer than "
                         f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}): a step would sample a prompt "
                         "twice; lower rollout.prompts_per_step or add rows")
+    rows = fingerprint(examples)
+    if resume_dir:  # (before the model loads)
+        _check_same_rows(cfg, resume_dir, rows)
     model, tokenizer, algo, params = _model(cfg, place)
     opt, sched = _optimizer(params, cfg, cfg.run.steps * cfg.algorithm.num_iterations
                             * (cfg.rollout.batch_rows // cfg.minibatch_rows))
@@ -274,6 +299,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
             warnings.warn(f"{resume_dir.name} was written by {state.world_size} "
                           f"process{'es' * (state.world_size != 1)} and resumes on {dist.world}: the run goes on, "
                           "but not bit-exactly (sums run in another order)", CheckpointWarning, stacklevel=3)
+    state.data = rows
     dist.broadcast_(params)  # every process trains the main process's initial (or resumed) weights
     lagged = None
     if cfg.rollout.async_lag:  # the adapter versions the next steps sample with (lag.py)
@@ -302,6 +328,17 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
                                config=cfg.to_dict(), id=state.run_id, resume="allow")
     return Run(cfg, out_dir, place, tokenizer, learner, collector, reward, examples, state,
                Outputs.open(out_dir, dist.is_main, state.offsets), wandb_run, lock, lagged)
+
+
+def _check_same_rows(cfg: Config, resume_dir: Path, rows: dict) -> None:
+    """A resume draws from the rows the checkpoint's run drew from (same count and content): a data file
+    changed under the same name would go on with other prompts at the saved data position, silently."""
+    saved = read_trainer_state(resume_dir).data
+    if saved and saved != rows:  # (checkpoints written before the fingerprint have none)
+        what = (f"{saved['rows']} rows then, {rows['rows']} now" if saved.get("rows") != rows["rows"]
+                else f"the same {rows['rows']} rows, other content")
+        raise CheckpointError(f"data.train {cfg.data.train} changed since {resume_dir.name} was written ({what}): "
+                              "resuming exactly needs the rows it trained on; restore them, or start a new run")
 
 
 def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algorithm, list[torch.nn.Parameter]]:

@@ -88,6 +88,40 @@ def columns() -> dict[str, str]:
     return {name: sql for name, sql, _ in _schema() if sql != "STRUCT"}
 
 
+_PY_TYPES = {"BIGINT": (int,), "DOUBLE": (int, float), "BOOLEAN": (bool,), "VARCHAR": (str,)}
+
+
+def mistyped(line: dict, required: tuple[str, ...] = ()) -> str | None:
+    """What is wrong with a trace line's types (the same rule as the audit's load), or None: a field that
+    holds another JSON type than its schema's (null is allowed unless the field is `required`), a list of
+    other than integers in completion_ids, or a reward component that is not an object of numbers.
+
+    >>> mistyped({"step": "three"})
+    'field step holds str, expected bigint'
+    """
+    for name, sql, _ in _schema():
+        value = line.get(name)
+        if value is None:
+            if name in required:
+                return f"field {name} is missing"
+            continue
+        kinds = _PY_TYPES.get(sql)
+        if kinds is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+            return f"field {name} holds {type(value).__name__}, expected {sql.lower()}"
+        if sql == "BIGINT[]" and (not isinstance(value, list) or
+                                  not all(isinstance(i, int) and not isinstance(i, bool) for i in value)):
+            return f"field {name} holds a list of other than integers"
+        if sql == "STRUCT":
+            if not isinstance(value, dict):
+                return f"field {name} is not an object"
+            for component, c in value.items():
+                if not isinstance(c, dict) or any(c.get(k) is not None and (not isinstance(c[k], (int, float))
+                                                                             or isinstance(c[k], bool))
+                                                  for k in ("raw", "weight", "weighted")):
+                    return f"reward component {component} is not an object of numbers (raw, weight, weighted)"
+    return None
+
+
 def schema_table() -> str:
     """The README's trace schema table, from the fields' docs."""
     rows = ["| field | type | meaning |", "|---|---|---|"]

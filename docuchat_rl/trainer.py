@@ -198,7 +198,8 @@ class Trainer:
         run, learner = self.run, self.learner
         state = TrainerState(step=step, run_id=self.run_id, sampler=self.collector.data_state(step),
                              offsets=run.outputs.offsets(), nonfinite_streak=learner.nonfinite_streak,
-                             no_reward_streak=self._no_reward_steps, world_size=self.dist.world)
+                             no_reward_streak=self._no_reward_steps, world_size=self.dist.world,
+                             data=run.state.data)
 
         def write_into(folder: Path) -> None:
             write_training_state(folder, model=learner.model, tokenizer=run.tokenizer, critic=learner.algo.critic,
@@ -231,10 +232,14 @@ class Trainer:
         if stop_after is not None and not self.step < stop_after <= cfg.run.steps:
             raise TrainingError(f"--stop-after {stop_after}: must come after the run's last step ({self.step}) "
                                 f"and not beyond run.steps ({cfg.run.steps})")
+        lines = None  # without a terminal: a plain line every this many steps, not a bar's frames in the log
         if cfg.logging.progress and self.is_main:
-            from tqdm.auto import tqdm
+            if sys.stderr.isatty():
+                from tqdm.auto import tqdm
 
-            bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", dynamic_ncols=True)
+                bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", dynamic_ncols=True)
+            else:
+                lines = max(1, cfg.run.steps // 50)
         self._bar = bar
         started = time.perf_counter()
         try:
@@ -242,12 +247,15 @@ class Trainer:
                 for step in range(self.step + 1, cfg.run.steps + 1):
                     m = self._step(step, started, last=step in (cfg.run.steps, stop_after))
                     history.append(m)
+                    shown = {"reward": f"{m['reward/mean']:.3f}", "tok_s": f"{m['rollout_tokens_per_s'] or 0:.0f}"}
+                    if m.get("accuracy") is not None:  # (no accuracy component: nothing to show)
+                        shown["acc"] = f"{m['accuracy']:.3f}"
                     if bar is not None:
                         bar.update(1)
-                        shown = {"reward": f"{m['reward/mean']:.3f}", "tok_s": f"{m['rollout_tokens_per_s'] or 0:.0f}"}
-                        if m.get("accuracy") is not None:  # (no accuracy component: nothing to show)
-                            shown["acc"] = f"{m['accuracy']:.3f}"
                         bar.set_postfix(shown)
+                    elif lines and (step % lines == 0 or step == cfg.run.steps):
+                        self._say(f"train step {step}/{cfg.run.steps}: " + ", ".join(f"{k} {v}" for k, v in shown.items())
+                                  + f", {time.perf_counter() - started:.0f} s")
                     if self.preemption.requested():  # safe point: the step is finished
                         self._stop()
                     if stop_after is not None and step >= stop_after:

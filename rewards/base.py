@@ -132,7 +132,17 @@ class FunctionReward(Reward):
                                                 _event_loop())
 
     def scores(self, values: Any) -> list[Score]:
-        """The function's returned values as Scores (a list or tuple, else an error naming the type)."""
+        """The function's returned values as Scores: a list or tuple, or what TRL also iterates, a 1-d numpy
+        array or torch tensor (read through `.tolist()`, so this package imports neither); else an error
+        naming the type.
+
+        >>> import numpy as np
+        >>> [s.value for s in FunctionReward(len, "n").scores(np.array([1.0, 0.5]))]
+        [1.0, 0.5]
+        """
+        if not isinstance(values, (list, tuple)) and callable(getattr(values, "tolist", None)) \
+                and len(getattr(values, "shape", ())) == 1:
+            values = values.tolist()
         if not isinstance(values, (list, tuple)):
             raise RewardError(f"reward {self.name!r} returned {type(values).__name__}, expected a list")
         return [Score(v) for v in values]

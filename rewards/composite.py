@@ -286,6 +286,8 @@ class CompositeReward:
                         value = as_number(raw)
                         if value is None:
                             error, raw = f"returned {type(raw).__name__} {str(raw)[:40]!r}, expected a number", None
+                        elif math.isnan(value):  # (TRL sums rewards with nansum: NaN is "no value", as None)
+                            raw = None
                         elif not math.isfinite(value):
                             error, raw = f"returned a non-finite value {value}", None
                         else:

@@ -283,3 +283,30 @@ def test_html_report_shows_the_eval_curve_and_a_trace_beside_each_fired_detector
         block = block.split("class='finding")[0]
         assert "an example and its trace" in block and "<th>contribution</th>" in block
     assert "TimeoutError: exceeded" in page
+
+
+@pytest.mark.parametrize("field,value,why", [
+    ("step", "three", "field step holds varchar, expected bigint"),
+    ("total", "high", "field total holds varchar, expected double"),
+    ("prompt_id", 1.5, "field prompt_id holds double, expected bigint"),  # (a cast would round it into a row id)
+    ("used", "yes", "field used holds varchar, expected boolean"),
+    ("completion_ids", [1, "x"], "field completion_ids holds a list of other than integers"),
+    ("rewards", "all good", "field rewards is not an object"),
+    ("correctness", {"raw": "1", "weight": 1.0, "weighted": 1.0}, "reward component correctness is not an object of "
+                                                                   "numbers (raw, weight, weighted)"),
+])
+def test_a_line_whose_field_has_the_wrong_type_is_skipped_with_its_reason_not_a_traceback(tmp_path, capsys, field,
+                                                                                         value, why):
+    lines = clean_run(2)
+    if field == "correctness":
+        lines[3]["rewards"]["correctness"] = value
+    else:
+        lines[3][field] = value
+    p = write(tmp_path / "t.jsonl", lines)
+    with TraceStore([p]) as store:
+        assert store.rows == len(lines) - 1
+        assert [(m["line"], m["why"]) for m in store.malformed] == [(4, why)]
+        assert store.count("step >= 1") == len(lines) - 1
+    assert main(["audit", str(p), "--where", "step > 0"]) == 0
+    assert main(["audit", str(p)]) == 0
+    assert f"skipped malformed line 4 of {p} ({why}" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")

@@ -149,5 +149,147 @@ def test_ctrl_c_during_the_evaluation_before_training_is_one_line_and_the_rerun_
     assert main(["train", *sets, "--set", "rewards=[{name: 'tests.user_rewards:ctrl_c'}]",
                  "--set", "rewards.accuracy_component=null"]) == 130
     err = capsys.readouterr().err
-    assert "interrupted during the evaluation before training" in err and "Traceback" not in err
+    assert "SIGINT during the evaluation before training: nothing was trained; run the same command to start " \
+           "again" in err and "Traceback" not in err
     assert main(["train", *sets]) == 0
+
+
+# ------------------------------------------------------------------ nothing lost: run folders, resumes, outputs
+def _train(out, *sets, extra=()):
+    """`docuchat-rl train` on the default recipe shrunk to seconds, in `out` (exit code)."""
+    base = [f"run.output_dir={out}", "rollout.prompts_per_step=2", "rollout.num_generations=2",
+            "rollout.max_new_tokens=8", "eval.before_and_after=false", "logging.progress=false", "run.threads=2"]
+    return main(["train", *[a for s in [*base, *sets] for a in ("--set", s)], *extra])
+
+
+def _files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_resume_never_cuts_another_runs_folder_and_into_a_new_folder_continues_the_run_whole(tmp_path, capsys):
+    """`--resume A/checkpoint-2` into B, which holds a run: refused, B byte for byte as it was (it used to be cut
+    back to A's offsets and its new checkpoints pruned at once). Into a new folder C: C starts with A's history up
+    to step 2 and ends equal to A (an exact resume)."""
+    from .test_trainer import untimed
+    from docuchat_rl.outputs import read_jsonl
+
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    assert _train(a, "run.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4") == 0
+    assert _train(b, "run.steps=6", "checkpoint.every=1") == 0
+    held = _files(b)
+    capsys.readouterr()
+    assert _train(b, "run.steps=4", "checkpoint.every=1", extra=["--resume", str(a / "checkpoint-2")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "already holds another run" in err and "would cut its files: choose a new run.output_dir" in err
+    assert "\n" not in err and _files(b) == held
+    assert _train(c, "run.steps=4", "checkpoint.every=1", extra=["--resume", str(a / "checkpoint-2")]) == 0
+    for name in ("traces.jsonl", "metrics.jsonl"):
+        assert untimed(read_jsonl(c / name)) == untimed(read_jsonl(a / name)), name
+    assert (c / "latest").read_text().strip() == "checkpoint-4"
+
+
+@pytest.mark.slow
+def test_resuming_an_older_checkpoint_inside_its_own_run_is_refused_and_changes_nothing(tmp_path, capsys):
+    a = tmp_path / "a"
+    assert _train(a, "run.steps=3", "checkpoint.every=1", "checkpoint.keep_last=3") == 0
+    held = _files(a)
+    capsys.readouterr()
+    assert _train(a, "run.steps=3", "checkpoint.every=1", extra=["--resume", str(a / "checkpoint-1")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "checkpoint-1 is older than checkpoint-2, checkpoint-3 in" in err and "into a new folder" in err
+    assert _files(a) == held
+
+
+@pytest.mark.slow
+def test_a_resume_notices_a_changed_data_file_and_a_dtype_that_auto_would_change(tmp_path, capsys):
+    """The resume rule compares `auto` by what it decides (float32 here) and the training rows by count and
+    content (the same path, other rows)."""
+    rows = (ROOT / "data" / "task" / "train.jsonl").read_text().splitlines()[:40]
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    assert _train(out, "run.steps=3", f"data.train={data}", extra=["--stop-after", "1"]) == 0
+    capsys.readouterr()
+    data.write_text("\n".join(rows[:30]) + "\n")
+    assert _train(out, "run.steps=3", f"data.train={data}", extra=["--resume", "latest"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"docuchat-rl: error: data.train {data} changed since checkpoint-1 was written (40 rows "
+                          "then, 30 now)") and "\n" not in err
+    data.write_text("\n".join([rows[1], rows[0], *rows[2:]]) + "\n")  # the same rows, two swapped
+    assert _train(out, "run.steps=3", f"data.train={data}", extra=["--resume", "latest"]) == 2
+    assert "(the same 40 rows, other content)" in capsys.readouterr().err
+    data.write_text("\n".join(rows) + "\n")
+    mixed = tmp_path / "mixed"
+    assert _train(mixed, "run.steps=3", f"data.train={data}", "model.dtype=bf16-mixed", extra=["--stop-after", "1"]) == 0
+    capsys.readouterr()
+    assert _train(mixed, "run.steps=3", f"data.train={data}", extra=["--resume", "latest"]) == 2  # auto: float32
+    err = capsys.readouterr().err
+    assert "model.dtype='bf16-mixed' -> 'float32'" in err
+    assert _train(out, "run.steps=3", f"data.train={data}", "model.dtype=float32", extra=["--resume", "latest"]) == 0
+
+
+@pytest.mark.slow
+def test_the_evaluation_before_training_is_written_at_once_and_survives_a_stop_and_resume(tmp_path):
+    out = tmp_path / "run"
+    sets = ["run.steps=2", "eval.before_and_after=true", "eval.limit=4", "eval.max_new_tokens=8"]
+    assert _train(out, *sets, extra=["--stop-after", "1"]) == 0
+    before = json.loads((out / "eval.json").read_text())
+    assert set(before) == {"before"} and before["before"]["rows"] == 4
+    assert _train(out, *sets, extra=["--resume", "latest"]) == 0
+    report = json.loads((out / "eval.json").read_text())
+    assert report["before"] == before["before"] and report["after"]["rows"] == 4
+
+
+@pytest.mark.slow
+def test_commands_write_only_files_they_create(tmp_path, capsys):
+    """rescore --out onto the run's own traces (it used to overwrite them), or onto any existing file; audit
+    --export/--html and eval --out onto an existing file: refused in one line, the file as it was."""
+    run = tmp_path / "run"
+    assert _train(run, "run.steps=1") == 0
+    traces = (run / "traces.jsonl").read_bytes()
+    capsys.readouterr()
+    assert main(["rescore", str(run), "--out", str(run / "traces.jsonl")]) == 2
+    assert "is a file of the training run" in capsys.readouterr().err
+    assert (run / "traces.jsonl").read_bytes() == traces
+    out = tmp_path / "rescored.jsonl"
+    assert main(["rescore", str(run), "--out", str(out)]) == 0
+    first = out.read_bytes()
+    capsys.readouterr()
+    for argv in (["rescore", str(run), "--out", str(out)], ["audit", str(run), "--export", str(out)],
+                 ["audit", str(run), "--html", str(out)], ["eval", "--out", str(out)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.endswith("already exists: give a new file name (nothing is overwritten)") and "\n" not in err
+        assert out.read_bytes() == first
+
+
+@pytest.mark.slow
+def test_a_keyboard_interrupt_raised_by_a_reward_is_said_to_be_no_signal(tmp_path, capsys):
+    """It used to read "stopped at once by a second signal" (exit 130): no signal was sent."""
+    from . import user_rewards
+
+    user_rewards._CALLS["raises_keyboard_interrupt"] = 0
+    out = tmp_path / "run"
+    assert _train(out, "run.steps=3", "checkpoint.every=1", "rewards=[{name: correctness}, "
+                  "{name: 'tests.user_rewards:raises_keyboard_interrupt', weight: 0}]") == 2  # (step 2 raises)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("docuchat-rl: error: KeyboardInterrupt raised in ") and "user_rewards.py" in err
+    assert "not by a signal" in err and "(checkpoint-1) is intact; resume with: docuchat-rl train" in err
+    assert "\n" not in err
+
+
+def test_without_a_terminal_progress_is_plain_lines_and_loading_prints_no_bar(tmp_path):
+    """A log file gets one line per reported step, never a progress bar's carriage-return frames, and no
+    "Loading weights" bar from transformers."""
+    out = tmp_path / "run"
+    args = ["train", "--set", f"run.output_dir={out}", "--set", "run.steps=3", "--set", "rollout.prompts_per_step=2",
+            "--set", "rollout.num_generations=2", "--set", "rollout.max_new_tokens=8",
+            "--set", "eval.before_and_after=false", "--set", "logging.progress=true"]
+    done = subprocess.run([sys.executable, "-m", "docuchat_rl", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "\r" not in done.stderr and "Loading weights" not in done.stderr
+    lines = [x for x in done.stderr.splitlines() if x.startswith("train step")]
+    assert [x.split(":")[0] for x in lines] == ["train step 1/3", "train step 2/3", "train step 3/3"]
+    assert all("reward " in x and "acc " in x for x in lines)

@@ -68,13 +68,24 @@ def test_every_value_trl_accepts_counts_and_what_it_refuses_is_named():
     assert res.errors[name] == 1 and "returned ndarray" in comps[4].error and "expected a number" in comps[4].error
 
 
-def test_non_finite_values_fail_only_their_completion():
+def test_nan_is_no_value_as_in_trl_and_infinity_fails_only_its_completion():
+    """TRL sums reward columns with nansum: a NaN is "no value" (as None), not a failure; inf fails its
+    completion alone."""
     res = run([{"name": "tests.user_rewards:not_finite"}], completions=["a", "b", "c"])
     name = "tests.user_rewards:not_finite"
-    assert res.errors[name] == 2
+    assert res.errors[name] == 1
     assert [r.components[name].raw for r in res.records] == [None, None, 1.0]
-    assert "non-finite" in res.records[0].components[name].error
+    assert res.records[0].components[name].error is None  # NaN: no value, no error
+    assert "non-finite" in res.records[1].components[name].error
     assert res.records[0].total_missing and not res.records[2].total_missing
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_whole_numpy_array_or_tensor_is_a_list_of_values_as_trl_iterates_it(kind):
+    name = f"tests.user_rewards:whole_{kind}"
+    res = run([{"name": name}], completions=["a", "bb", "ccc"])
+    assert res.errors[name] == 0
+    assert [r.components[name].raw for r in res.records] == [1.0, 2.0, None]  # (its NaN: no value)
 
 
 def test_timeout_is_recorded_and_the_next_call_works():

@@ -190,3 +190,31 @@ def test_auto_switches_are_decided_per_device_and_explicit_values_win():
     assert config_from_dict(hf.to_dict()).rollout.grouped_decode is False  # (a checkpoint's run_config reloads)
     sharded = load_config(ROOT / "config/default.yaml", ["rollout.sharded_generation=true"]).for_device("cpu")
     assert sharded.rollout.merge_adapter is False  # (the sharded weights cannot take the merged delta)
+
+
+@pytest.mark.parametrize("override,says", [
+    ("rollout.async_lag=true", "config key 'rollout.async_lag': must be a number, not true/false (got True)"),
+    ("rollout.temperature=false", "config key 'rollout.temperature': must be a number, not true/false"),
+    ("algorithm.epsilon_low=true", "config key 'algorithm.epsilon_low': must be a number, not true/false"),
+    ("rollout.generation_batch_size=true", "config key 'rollout.generation_batch_size': must be a number"),
+    ("optim.lr=.inf", "config key 'optim.lr': Input should be a finite number (got inf)"),
+    ("optim.lr=.nan", "config key 'optim.lr': Input should be a finite number (got nan)"),
+    ("algorithm.beta=.inf", "config key 'algorithm.beta': Input should be a finite number"),
+    ("rewards.format.weight=-.inf", "config key 'rewards.components.1.weight': Input should be a finite number"),
+    ("lora.target_modules=[]", "config key 'lora.target_modules': must name at least one module (or all-linear)"),
+])
+def test_a_number_key_refuses_true_false_and_infinities_and_lora_needs_a_target(override, says):
+    """pydantic alone reads `true` as 1 and accepts inf and nan (`optim.lr: .inf` wrote all-NaN checkpoints
+    before the run stopped); an empty target list reached peft as a traceback."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+    load_config(None, ["lora.fused=true", "rollout.grouped_decode=false", "optim.lr=1e-3"])  # switches take bools
+
+
+def test_a_recipe_that_is_not_utf8_is_one_line_naming_its_line(tmp_path):
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes(b"run:\n  steps: 3\n  output_dir: caf\xe9\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe)
+    assert str(e.value) == f"{recipe}: line 3 is not UTF-8 text; save the recipe as UTF-8"

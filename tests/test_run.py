@@ -13,7 +13,7 @@ def test_auto_trains_in_bfloat16_where_the_gpu_has_it_and_float32_elsewhere():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert training_dtype("auto", cuda, bf16_supported=True) == "bfloat16"
     assert training_dtype("auto", cuda, bf16_supported=False) == "float32"  # V100, T4: not float16
-    assert training_dtype("auto", cpu, bf16_supported=False) == "auto"  # float32 on a CPU (modeling.pick_dtype)
+    assert training_dtype("auto", cpu, bf16_supported=False) == "float32"  # decided once, recorded in checkpoints
     assert training_dtype("bfloat16", cuda, bf16_supported=True) == "bfloat16"
 
 

@@ -368,11 +368,12 @@ def test_trls_trainer_state_log_extra_and_log_metric_reach_reward_functions(tmp_
         assert m["user/loss"] == -1.0 and m["loss"] != -1.0
 
 
-def test_a_reward_failing_everywhere_is_said_at_once_and_stops_the_run(tmp_path, capsys):
+def test_a_reward_failing_everywhere_is_said_at_once_and_stops_the_run(tmp_path, capsys, monkeypatch):
     """A component failing on every completion prints one line naming it and its error, on a line of its own
     with the progress bar drawn (not after the bar's text, where the next redraw hides it); when no
     component gives any completion a value for rewards.max_failed_steps steps, the run stops in one line
     naming the component."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # (the bar is drawn on a terminal only)
     t = Trainer(cfg_for(tmp_path, "run.steps=5", "rewards=[{name: 'tests.user_rewards:raises'}]",
                         "rewards.accuracy_component=null", "rewards.max_failed_steps=2", "logging.progress=true"))
     with pytest.raises(TrainingError, match=r"2 steps in a row .*reward 'tests.user_rewards:raises': "

@@ -34,6 +34,14 @@ def slow(prompts, completions, **kwargs):
     return [1.0] * len(completions)
 
 
+def slow_marked(prompts, completions, **kwargs):
+    """`slow`, after creating the file named by $DOCUCHAT_TEST_MARK (a test's sign that a step's scoring began)."""
+    import os
+
+    open(os.environ["DOCUCHAT_TEST_MARK"], "a").close()
+    return slow(prompts, completions)
+
+
 def uses_level(prompts, completions, level, **kwargs):
     """Reads a data set column the trainer passes through (`level`)."""
     return [float(x) for x in level]
@@ -137,8 +145,25 @@ async def async_judge(prompts, completions, **kwargs):
 
 
 def ctrl_c(prompts, completions, **kwargs):
-    """What Ctrl-C does to whatever runs at that moment (here: the evaluation's scoring)."""
-    raise KeyboardInterrupt
+    """Ctrl-C, for real: SIGINT to this process while the reward runs (here: the evaluation's scoring)."""
+    import os
+    import signal
+    import time
+
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(5)  # (the handler runs at the next bytecode boundary: it interrupts the sleep)
+    return [0.0] * len(completions)
+
+
+_CALLS = {"raises_keyboard_interrupt": 0}
+
+
+def raises_keyboard_interrupt(prompts, completions, **kwargs):
+    """A reward whose code raises KeyboardInterrupt itself, from its second call on: no signal was sent."""
+    _CALLS["raises_keyboard_interrupt"] += 1
+    if _CALLS["raises_keyboard_interrupt"] > 1:
+        raise KeyboardInterrupt
+    return [0.0] * len(completions)
 
 
 def openr1_accuracy(completions, solution, **kwargs):
@@ -196,3 +221,16 @@ def zero_d_tensors(completions, **kwargs):
     import torch
 
     return [torch.tensor(float(c.count(" ")) / 10) for c in completions]
+
+
+def whole_numpy(prompts, completions, **kwargs):
+    """The whole return a numpy array (TRL iterates any sequence), with a NaN for the last completion."""
+    import numpy as np
+
+    return np.array([float(len(c)) for c in completions[:-1]] + [float("nan")])
+
+
+def whole_torch(prompts, completions, **kwargs):
+    import torch
+
+    return torch.tensor([float(len(c)) for c in completions[:-1]] + [float("nan")])
