@@ -256,15 +256,15 @@ def cmd_eval(args) -> int:
     from accelerate import PartialState
 
     from .distributed import Dist, on_cpu
-    from .evaluate import evaluate
-    from .inference import load_policy
+    from .tools.evaluate import evaluate
+    from .tools.inference import load_policy
 
     if args.out:
         check_new_file(args.out, "--out")
     cfg = _config_for(args)  # (with --adapter and no --config: the checkpoint's own recipe, as generate)
     # under torchrun / accelerate launch each process evaluates a share of the rows; the main one reports
     dist = Dist.from_accelerator(PartialState(cpu=on_cpu(cfg.model.device)))
-    model, tok = load_policy(cfg, args.adapter, device=str(dist.device) if dist.active else None)
+    model, tok = load_policy(cfg.model, args.adapter, device=str(dist.device) if dist.active else None)
     result = {"model": cfg.model.name_or_path, "adapter": args.adapter, **evaluate(model, tok, cfg, dist=dist)}
     if dist.is_main:
         text = json.dumps(result, indent=2)
@@ -277,7 +277,7 @@ def cmd_eval(args) -> int:
 def _config_for(args):
     """--config, else the checkpoint's own run_config.json, else the defaults; then --set."""
     from .config import config_from_dict, load_config
-    from .inference import config_of_checkpoint
+    from .tools.inference import config_of_checkpoint
 
     if args.config is None and getattr(args, "adapter", None):
         raw = config_of_checkpoint(args.adapter)
@@ -286,18 +286,18 @@ def _config_for(args):
     return load_config(args.config, args.overrides)
 
 
-def _sampling(args, cfg) -> dict:
+def _sampling(args, rollout) -> dict:
     """generate() keywords from --sample/--temperature/--top-p/--top-k (the recipe's rollout settings
     for any not given); any of them, or --n above 1, means sampling."""
     given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     do_sample = args.sample or any(v is not None for v in given.values()) or getattr(args, "n", 1) > 1
     return {"do_sample": do_sample,
-            **{k: getattr(cfg.rollout, k) if v is None else v for k, v in given.items()}}
+            **{k: getattr(rollout, k) if v is None else v for k, v in given.items()}}
 
 
 def _examples(args, cfg):
     from .data import DataError, Example, check_utf8, load_examples, load_split
-    from .inference import is_text
+    from .tools.inference import is_text
 
     if args.prompt:
         for i, p in enumerate(args.prompt, 1):
@@ -333,9 +333,9 @@ def cmd_generate(args) -> int:
     from rich.markup import escape
     from rich.panel import Panel
 
-    from .inference import load_policy, sample_records
-    from .report import print_records
-    from .scoring import build_reward
+    from .sampling.scoring import build_reward
+    from .tools.inference import load_policy, sample_records
+    from .tools.report import print_records
 
     cfg = _config_for(args)
     if args.compare and not args.adapter:
@@ -343,10 +343,10 @@ def cmd_generate(args) -> int:
               file=sys.stderr)
         return 2
     examples = _examples(args, cfg)
-    model, tok = load_policy(cfg, args.adapter)
+    model, tok = load_policy(cfg.model, args.adapter)
     reward = build_reward(cfg.rewards) if args.score else None
     kw = dict(n=args.n, max_new_tokens=args.max_new_tokens or cfg.eval.max_new_tokens, reward=reward,
-              **_sampling(args, cfg))
+              **_sampling(args, cfg.rollout))
     runs = [("base", True), ("adapter", False)] if args.compare else [("adapter" if args.adapter else "base", False)]
     records = []
     for label, base in runs:
@@ -372,7 +372,7 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     """A multi-turn conversation with the base model or a checkpoint on the console."""
-    from .inference import chat, load_policy
+    from .tools.inference import chat, load_policy
 
     if sys.stdin is None or sys.stdin.closed:  # (input() would fail with "lost sys.stdin" after loading)
         print("docuchat-rl: error: chat reads your messages from standard input, which is closed: run it in a "
@@ -381,8 +381,8 @@ def cmd_chat(args) -> int:
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 read as surrogates, which chat refuses per
         sys.stdin.reconfigure(errors="surrogateescape")  # line (a decoding error would lose the rest of the input)
     cfg = _config_for(args)
-    model, tok = load_policy(cfg, args.adapter)
-    s = _sampling(args, cfg)
+    model, tok = load_policy(cfg.model, args.adapter)
+    s = _sampling(args, cfg.rollout)
 
     def show(text: str) -> None:
         print(text, end="", flush=True)
@@ -397,7 +397,7 @@ def cmd_chat(args) -> int:
 
 def cmd_export(args) -> int:
     """Merge a checkpoint's adapter into the base weights and save a plain model folder."""
-    from .inference import export_merged
+    from .tools.inference import export_merged
 
     cfg = _config_for(args)
     out = export_merged(cfg, args.adapter, args.out, args.dtype)
@@ -407,8 +407,8 @@ def cmd_export(args) -> int:
 
 
 def _replay_lines(args) -> list[dict]:
-    from .audit import TraceStore
-    from .replay import ReplayError, select
+    from .tools.audit import TraceStore
+    from .tools.replay import ReplayError, select
 
     one = (args.step, args.prompt_id, args.sample)
     if sum([args.where is not None, args.stdin, any(v is not None for v in one)]) != 1:
@@ -450,7 +450,7 @@ def cmd_replay(args) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from .replay import replay
+    from .tools.replay import replay
 
     results = replay(args.run, _replay_lines(args), say=lambda line: print(line, file=sys.stderr, flush=True))
     console = Console()
@@ -492,7 +492,7 @@ def cmd_rescore(args) -> int:
 
     from .config import config_from_dict, load_config
     from .outputs import JsonlWriter
-    from .replay import component_deltas, rescore, run_config
+    from .tools.replay import component_deltas, rescore, run_config
 
     if args.out:
         check_new_file(args.out, "--out")
@@ -558,8 +558,8 @@ def cmd_audit(args) -> int:
     """Read trace files: summary, detectors, filtered rows, comparisons, exports, the HTML report."""
     from rich.console import Console
 
-    from .audit import AuditError, TraceStore, compare, eval_records, export, rescored_records
-    from .report import html_report, print_records, print_summary
+    from .tools.audit import AuditError, TraceStore, compare, eval_records, export, rescored_records
+    from .tools.report import html_report, print_records, print_summary
 
     console = Console()
     for flag, path in (("--export", args.export), ("--html", args.html)):
@@ -635,10 +635,10 @@ def main(argv: list[str] | None = None) -> int:
     from rewards import RewardError
     from rewards.composite import RewardFailure
 
-    from .audit import AuditError
     from .config import ConfigError
     from .data import DataError
     from .errors import CheckpointError, CheckpointWarning, ModelError, ReplayError, TrainingError
+    from .tools.audit import AuditError
 
     plain = warnings.formatwarning  # a damaged checkpoint skipped on resume: one line, like our errors
     warnings.formatwarning = lambda message, category, *a, **k: (

@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
-from .algorithm_configs import ALGORITHMS, AlgorithmConfig, BatchShape, GRPOConfig, Keys
+from .learning.algorithm_configs import ALGORITHMS, AlgorithmConfig, BatchShape, GRPOConfig, Keys
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the problem. Think step by step inside <think> </think>, "
@@ -55,13 +54,13 @@ class ModelConfig(Section):
     revision: str | None = None
     """Hub revision (branch, tag or commit) when loading from the hub."""
     dtype: Literal["auto", "float32", "bfloat16", "bf16-mixed", "float16"] = "auto"
-    """Weights dtype; bf16-mixed = bfloat16 weights and matmuls, float32 residual stream and logits (faster on CPUs with AVX512-BF16, larger sampler/trainer mismatch); auto = bfloat16 on GPUs that have it (float32 in training, else float16), float32 on CPUs."""
+    """Weights dtype; bf16-mixed: bfloat16 weights and matmuls, float32 residual stream and logits (faster on AVX512-BF16 CPUs, larger sampler/trainer gap); auto: bfloat16 on GPUs that have it, else float32."""
     device: str = "auto"
     """Torch device (auto, cpu, cuda, cuda:1, ...)."""
     trust_remote_code: bool = False
     """Run model code shipped with a hub repository (off unless you trust it)."""
     gradient_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward (transformers', non-reentrant): far less activation memory for one more forward per layer; the update's shared-prompt forward is off with it (no KV cache under checkpointing)."""
+    """Recompute each decoder layer's activations in the backward (transformers', non-reentrant): less memory for one more forward per layer; the update's shared prompt is off with it."""
     disable_dropout: bool = True
     """Turn the base model's dropout off (rollouts sample in eval mode; updates must score the same function)."""
 
@@ -78,7 +77,7 @@ class LoraConfig(Section):
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names to adapt, or all-linear for every linear layer but the output head."""
     fused: Switch = AUTO
-    """Train each adapted Linear as one matmul with W + s*B*A, not peft's three (same gradients; float32 weights only, off under FSDP2; auto: on on CPUs, off on GPUs, CPU-measured only)."""
+    """Train each adapted Linear as one matmul with W + s*B*A instead of peft's three (same gradients; float32 only, off under FSDP2); auto: on on CPUs, off on GPUs (measured on CPUs only)."""
 
     @field_validator("target_modules")
     @classmethod
@@ -148,25 +147,25 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off); the trainer scores the same truncated distribution."""
     generation_batch_size: CountOrAuto = AUTO
-    """Most completion rows per generate call (memory bound); a step uses ceil(P*G / this) calls; auto: 64 on CPUs, 256 on GPUs (a GPU's decode is launch-bound: 128 rows a call instead of 64 halved the rollout on an H100)."""
+    """Most completion rows per generate call (bounds memory); a step makes ceil(P*G / this) calls; auto: 64 on CPUs, 256 on GPUs (measured on 2 CPU cores and one H100: docs/performance.md)."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill."""
     max_resample_rounds: int = Field(4, ge=1)
     """Most extra sampling rounds per step when dynamic sampling cannot fill the batch."""
     engine: Literal["auto", "fast", "hf", "vllm"] = AUTO
-    """Sampler: fast = our decode loop (prompt prefilled once per group, static KV cache); hf = transformers.generate; vllm = a colocated vLLM engine; auto = fast on CPUs, hf on GPUs (measured faster there: docs/performance.md)."""
+    """Sampler: fast = our decode loop (prompt prefilled once per group); hf = transformers.generate; vllm = a colocated vLLM engine; auto: fast on CPUs, hf on GPUs (as measured: docs/performance.md)."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """The vLLM engine's settings (only with engine vllm)."""
     grouped_decode: Switch = AUTO
-    """Fast loop only (engine fast, and evaluation/chat under engine vllm): decode Llama, Qwen2 and Mistral (full attention) with our step that reads each prompt's keys/values once for its G rows; false = the model's own forward over a per-row cache; auto: on on CPUs, off on GPUs (on an H100 the fast loop was no faster than hf even with it)."""
+    """Our fast loop's decode step for Llama, Qwen2 and Mistral (full attention): each prompt's keys/values read once for its G rows (engine fast; eval and chat under vllm); auto: on on CPUs, off on GPUs."""
     merge_adapter: Switch = AUTO
-    """Sample with the LoRA deltas folded into the base weights (restored exactly afterwards); false = unmerged; auto: on (off with sharded_generation). In bfloat16 the merged weight rounds the delta (sampler/trainer gap +0.003 nats on SmolLM2); on an H100 it halved the hf engine's rollout."""
+    """Sample with the LoRA deltas folded into the base weights, restored exactly after (in bfloat16 the merge rounds the delta: a small sampler/trainer gap); auto: on (off with sharded_generation)."""
     sharded_generation: bool = False
-    """Under FSDP2 only: decode on the sharded weights, every process in lockstep (each decoding step gathers every layer: slow, but the whole weights never sit on one device); false = gather them for generation."""
+    """Under FSDP2: decode on the sharded weights, every process in lockstep (slow: each step gathers every layer, but the whole model never sits on one device); false: gather them to generate."""
     async_lag: int = Field(0, ge=0)
     """Fixed lag k: step t trains on completions sampled by the policy after step t-1-k, the ratio taken against the sampler's log-probs (0: synchronous); see async_worker_threads for where they are sampled."""
     async_worker_threads: int = Field(0, ge=0)
-    """With async_lag: 0 samples in the learner's process between updates (no overlap); N > 0 samples in a worker process of N torch threads, ahead, while the learner updates (give the learner the rest with run.threads); under engine vllm the worker is a vLLM engine serving the versions as LoRA adapters."""
+    """With async_lag: 0 samples in the learner's process between updates; N > 0 in a worker process of N torch threads, ahead, while the learner updates (under engine vllm: a vLLM engine)."""
     async_timeout_s: float = Field(600.0, gt=0)
     """With a worker: a step's samples that do not arrive within this many seconds (counted once the worker has loaded the model) end the run in one line naming the step and adapter version."""
     correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
@@ -190,7 +189,7 @@ class RewardSpec(Section):
     weight: float = 1.0
     """Weight of this component in the total."""
     params: dict[str, Any] = Field(default_factory=dict)
-    """Keyword parameters of this reward (see README's reward table)."""
+    """Keyword parameters of this reward (see docs/rewards.md)."""
 
 
 class RewardsConfig(Section):
@@ -252,9 +251,9 @@ class OptimConfig(Section):
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward; gradients accumulate up to minibatch_size."""
     share_prompt: Switch = AUTO
-    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (on an H100 it doubled the update's time for 19% less peak memory)."""
+    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (it lost on an H100: docs/performance.md)."""
     length_buckets: CountOrAuto = AUTO
-    """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; 1: one forward; off under FSDP2); auto: 4 on CPUs, 1 on GPUs (CPU-measured only)."""
+    """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; off under FSDP2); auto: 4 on CPUs, 1 on GPUs (measured on CPUs only)."""
     logit_chunk: int | None = Field(None, ge=0)
     """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 1024 when the vocabulary exceeds 32k tokens, else off)."""
 
@@ -548,15 +547,15 @@ def config_from_dict(raw: dict, overrides: list[str] | None = None) -> Config:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_one_line(e)) from None
-    _check_registries(cfg)
+    _check_registries(cfg.rewards)
     return cfg
 
 
-def _check_registries(cfg: Config) -> None:
+def _check_registries(rewards: RewardsConfig) -> None:
     """Reward names live in a registry (or are dotted paths): each must resolve."""
     from rewards import RewardError, resolve_reward
 
-    for i, spec in enumerate(cfg.rewards.components):
+    for i, spec in enumerate(rewards.components):
         try:
             resolve_reward(spec.name)
         except RewardError as e:

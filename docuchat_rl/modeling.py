@@ -1,6 +1,7 @@
 """Model and tokenizer loading: any causal LM by local path, hub id or GGUF file (gguf.py), with LoRA from peft.
 
-dtype "auto" picks bfloat16 on a GPU that supports it (else float16) and float32 on a CPU. bf16-mixed keeps
+dtype "auto" picks bfloat16 on a GPU that supports it (else float16; a training run float32) and float32 on a
+CPU. bf16-mixed keeps
 the weights in bfloat16 and runs matmuls and attention in it under torch.autocast, while the residual
 stream, the norms, softmaxes and the output head (the logits) stay float32 (`enable_mixed`,
 `compute_context`); on a CPU with bfloat16 instructions (AVX512-BF16, AMX) it is faster but not the default
@@ -9,7 +10,9 @@ only when the config asks (`model.trust_remote_code`). A tokenizer without a pad
 The base model's dropout is turned off for RL (`disable_dropout`): rollouts are sampled in eval mode, so
 an update with dropout on would train a different function than the one that sampled. LoRA's own
 dropout stays what `lora.dropout` says. Here too: the LoRA adapters (the policy's, and the separate
-critic's), switching between them, and sampling with merged LoRA weights.
+critic's), switching between them, and sampling with merged LoRA weights; and what the sampler and the
+trainer both need of a model: its positions (`position_ids`), its KV-cache keyword (`with_cache`,
+`cache_of`) and the sampling distribution's processors (`warpers`).
 
 Deliberately left out: quantised (4/8-bit) loading and full fine-tuning; LoRA is the one training mode.
 """
@@ -57,6 +60,26 @@ def cache_of(output):
     return output["cache"] if "cache" in output else output.past_key_values
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only (left padding does not shift them). [R, L] -> [R, L]"""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def warpers(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list:
+    """transformers' own temperature, top-k and top-p processors, in `generate`'s order; exactly the
+    ones the config names (a model's generation_config never adds any)."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    out = []
+    if temperature != 1.0:
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k > 0:
+        out.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p))
+    return out
+
+
 def pick_device(device: str = "auto") -> torch.device:
     """The torch device `model.device` names (auto: the GPU when there is one)."""
     if device == "auto":
@@ -76,7 +99,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     noise; training reward a little lower in every 25-step window), but the sampler's and the trainer's
     log-probs differed by 0.021 nats (median of the steps' means; 13% of tokens off by more than 0.01, up
     to 3.8 nats on one token) against 1e-6 in float32, and its peak memory was higher (4.8 GB against 3.9).
-    float32 keeps the trainer scoring what the sampler drew (README "Real model")."""
+    float32 keeps the trainer scoring what the sampler drew (docs/smollm2.md)."""
     if dtype != "auto":
         return dtype
     if device.type == "cuda":

@@ -23,23 +23,44 @@ import torch
 
 from rewards import CompositeReward
 
-from .algorithms import Algorithm, get_algorithm_class
-from .checkpoint import (TrainerState, check_resumable, checkpoint_step, list_checkpoints, load_training_state,
-                         read_trainer_state, resolve_resume, verify_checkpoint)
-from .config import Config
+from .checkpoint import (
+    TrainerState,
+    check_resumable,
+    checkpoint_step,
+    list_checkpoints,
+    load_training_state,
+    read_trainer_state,
+    resolve_resume,
+    verify_checkpoint,
+)
+from .config import Config, OptimConfig
 from .data import DataError, Example, PromptSampler, fingerprint, load_split, render_prompt
-from .lag import Ahead, LaggedPolicies
-from .distributed import (Dist, Sharding, ShardingError, held_bytes, on_cpu, shard_layers, sharding_from_launcher,
-                          without_fsdp_env)
+from .distributed import (
+    Dist,
+    Sharding,
+    ShardingError,
+    held_bytes,
+    on_cpu,
+    shard_layers,
+    sharding_from_launcher,
+    without_fsdp_env,
+)
 from .errors import CheckpointError, CheckpointWarning, ModelError, TrainingError
-from .fused_lora import fuse_lora
-from .learner import Learner
-from .modeling import (add_critic_adapter, build_lora, disable_dropout, load_model_and_tokenizer, tied_head_adapted,
-                       unmergeable)
+from .learning.algorithms import Algorithm, get_algorithm_class
+from .learning.fused_lora import fuse_lora
+from .learning.learner import Learner
+from .modeling import (
+    add_critic_adapter,
+    build_lora,
+    disable_dropout,
+    load_model_and_tokenizer,
+    tied_head_adapted,
+    unmergeable,
+)
 from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir
-from .rollout import Collector
-from .scoring import build_reward
-
+from .sampling.lag import Ahead, LaggedPolicies
+from .sampling.rollout import Collector
+from .sampling.scoring import build_reward
 
 # Why refuse rather than scale: the LoRA weights and their Adam updates would live in float16 too (an update
 # of lr x 1 is below float16's resolution next to a weight of 1e-2), so loss scaling alone does not train them
@@ -256,9 +277,9 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
                         "twice; lower rollout.prompts_per_step or add rows")
     rows = fingerprint(examples)
     if resume_dir:  # (before the model loads)
-        _check_same_rows(cfg, resume_dir, rows)
+        _check_same_rows(cfg.data.train, resume_dir, rows)
     model, tokenizer, algo, params = _model(cfg, place)
-    opt, sched = _optimizer(params, cfg, cfg.run.steps * cfg.algorithm.num_iterations
+    opt, sched = _optimizer(params, cfg.optim, cfg.run.steps * cfg.algorithm.num_iterations
                             * (cfg.rollout.batch_rows // cfg.minibatch_rows))
     # the model is not wrapped (no DDP): gradients are summed across processes per minibatch (distributed.py)
     optimizer, scheduler = place.accelerator.prepare(opt, sched)
@@ -283,11 +304,11 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         if why:  # (the sync would send the base weights: vLLM would sample the untrained model, silently)
             raise ModelError(f"rollout.engine vllm samples the policy with its LoRA merged into the weights, and "
                              f"{why}: take that layer out of lora.target_modules, or use rollout.engine fast")
-        from .vllm_engine import VLLMEngine, engine_spec
+        from .sampling.vllm_engine import VLLMEngine, engine_spec
 
         # a fixed lag's worker is the engine (serving the adapter versions as LoRA adapters), else one here
         worker = bool(cfg.rollout.async_lag and cfg.rollout.async_worker_threads)
-        spec = engine_spec(cfg, model, tokenizer, cfg.data.max_prompt_tokens, lora=worker)
+        spec = engine_spec(cfg.rollout, model, tokenizer, cfg.data.max_prompt_tokens, lora=worker)
         if not worker:
             vllm = VLLMEngine(cfg, tokenizer, spec, processes=dist.world)
     state = TrainerState(step=0, run_id=dist.gather([uuid.uuid4().hex[:12]])[0])  # the main process's id
@@ -330,14 +351,14 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
                Outputs.open(out_dir, dist.is_main, state.offsets), wandb_run, lock, lagged)
 
 
-def _check_same_rows(cfg: Config, resume_dir: Path, rows: dict) -> None:
+def _check_same_rows(train: str, resume_dir: Path, rows: dict) -> None:
     """A resume draws from the rows the checkpoint's run drew from (same count and content): a data file
     changed under the same name would go on with other prompts at the saved data position, silently."""
     saved = read_trainer_state(resume_dir).data
     if saved and saved != rows:  # (checkpoints written before the fingerprint have none)
         what = (f"{saved['rows']} rows then, {rows['rows']} now" if saved.get("rows") != rows["rows"]
                 else f"the same {rows['rows']} rows, other content")
-        raise CheckpointError(f"data.train {cfg.data.train} changed since {resume_dir.name} was written ({what}): "
+        raise CheckpointError(f"data.train {train} changed since {resume_dir.name} was written ({what}): "
                               "resuming exactly needs the rows it trained on; restore them, or start a new run")
 
 
@@ -380,11 +401,10 @@ def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algo
     return model, tokenizer, algo, params
 
 
-def _optimizer(params, cfg: Config, total_updates: int):
+def _optimizer(params, o: OptimConfig, total_updates: int):
     """The configured optimizer over `params` and transformers' schedule over `total_updates` steps."""
     from transformers import get_scheduler
 
-    o = cfg.optim
     if o.name == "adamw":
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     else:

@@ -1,7 +1,7 @@
 """The trace contract: one `TraceRecord` per sampled completion, written to `traces.jsonl`.
 
 This module is the one definition of a trace: its fields with their types (the audit's DuckDB columns)
-and docs (the README's schema table, `schema_table()`), the builder of the fields a completion has
+and docs (docs/traces.md's schema table, `schema_table()`), the builder of the fields a completion has
 wherever it was sampled (`completion_fields`: training traces and `docuchat-rl generate` records), and
 the metrics a step's records give (`step_metrics`, `reward_means`: the metrics record and evaluation
 compute reward means the same way). Torch-free.
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def _f(sql: str, doc: str, default: Any = MISSING) -> Any:
-    """A trace field with its DuckDB type and its one-line doc (the README schema table)."""
+    """A trace field with its DuckDB type and its one-line doc (docs/traces.md's schema table)."""
     return field(default=default, metadata={"sql": sql, "doc": doc})
 
 
@@ -123,7 +123,7 @@ def mistyped(line: dict, required: tuple[str, ...] = ()) -> str | None:
 
 
 def schema_table() -> str:
-    """The README's trace schema table, from the fields' docs."""
+    """docs/traces.md's trace schema table, from the fields' docs."""
     rows = ["| field | type | meaning |", "|---|---|---|"]
     rows += [f"| `{name}` | {sql.lower()} | {doc} |" for name, sql, doc in _schema()]
     return "\n".join(rows)
@@ -191,6 +191,38 @@ def reward_failures(records: list[TraceRecord], names: list[str]) -> list[str]:
             lines.append(f"reward {name!r} failed on all {len(records)} completions of step {records[0].step}: "
                          f"{errors[0]}")
     return lines
+
+
+class RewardWatch:
+    """Watches each step's rewards: says at once when a component failed on every completion or the step had
+    no learning signal (`reward_failures`, `signal_warnings`), and stops the run (TrainingError) when no
+    component gave any completion a value for `max_failed_steps` steps in a row: it would train nothing.
+    The streak is part of a checkpoint (it counts on across a resume)."""
+
+    def __init__(self, names: list[str], max_failed_steps: int, streak: int = 0):
+        self.names, self.max_failed_steps, self.streak = names, max_failed_steps, streak
+
+    def check(self, records: list[TraceRecord], m: dict[str, Any]) -> list[str]:
+        """The warnings the step's records and metrics call for (the streak counted)."""
+        self.streak = self.streak + 1 if m["reward_missing"] == len(records) else 0
+        return reward_failures(records, self.names) + signal_warnings(m)
+
+    def stop_if_starved(self, records: list[TraceRecord]) -> None:
+        """Raise TrainingError once the streak reaches rewards.max_failed_steps."""
+        from .errors import TrainingError
+
+        if self.streak >= self.max_failed_steps:
+            first = next((f"reward {name!r}: {c['error']}" for r in records for name, c in r.rewards.items()
+                          if c["error"]), "every component returned None")
+            raise TrainingError(f"no reward component produced a value for any completion in {self.streak} steps "
+                                "in a row (rewards.max_failed_steps): nothing to learn from; first error: "
+                                f"{first}")
+
+
+def replay_coordinate(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The run's part of every trace line's replay coordinate: the sampler's settings (`sampling`: engine,
+    temperature, top_k, top_p, max/min_new_tokens, stop_ids) and the library versions."""
+    return {"sampling": sampling, "versions": library_versions()}
 
 
 TRUNCATED_WARNING = 0.9  # a step in which at least this share of completions hit max_new_tokens is said

@@ -1,12 +1,12 @@
 """The training loop: rollout -> score -> advantages -> update -> log -> checkpoint, one step at a time.
 
 One step samples `prompts_per_step` prompts, `num_generations` completions each, scores them with the
-composite reward (`Trainer.collect`, through rollout.Collector), puts the used groups into a batch
+composite reward (`Trainer.collect`, through sampling.rollout.Collector), puts the used groups into a batch
 (`prepare`), runs the no-grad passes the algorithm needs and its advantages (`advantages`), updates the
-LoRA adapter (and critic) over `num_iterations` passes of minibatches (`update`, through learner.Learner),
-writes one trace record per completion and one metrics record (`log`), and checkpoints every
-`checkpoint.every` steps (`checkpoint`). What a run holds before its first step is built by
-run.start_run; SIGTERM/SIGINT stops at a safe point (preemption.py).
+LoRA adapter (and critic) over `num_iterations` passes of minibatches (`update`, through
+learning.learner.Learner), writes one trace record per completion and one metrics record (`log`), and
+checkpoints every `checkpoint.every` steps (`checkpoint`). What a run holds before its first step is built
+by run.start_run; SIGTERM/SIGINT stops at a safe point (preemption.py).
 
 Exact resume: a checkpoint holds everything the next step reads (adapter, critic, optimizer,
 scheduler, RNG states, data order and position, output file offsets). Checkpoints are taken between
@@ -18,32 +18,34 @@ samples, scores and trains its share of the groups; the main process writes the 
 checkpoint files. Under FSDP2, rollout and evaluation run on gathered weights (or, with
 `rollout.sharded_generation`, decode in lockstep on the sharded ones).
 
-Deliberately left out: serving engines (vLLM, SGLang) for the rollout.
+Deliberately left out: generation on a serving engine of its own (a vLLM server on other GPUs or
+machines): the engines run in the trainer's processes, or in a fixed lag's worker process beside each
+one (sampling/lag.py); and multi-turn rollouts (tool calls).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .batch import Batch
 from .checkpoint import TrainerState, latest_step, save_checkpoint, write_training_state
 from .config import Config
 from .data import Example, PromptSampler, load_split
 from .distributed import gathered
 from .errors import Preempted, TrainingError
-from .generation import eos_ids
+from .learning.batch import Batch
 from .memory import peak_mb, reset_peak
-from .modeling import adapter_digest
 from .preemption import Preemption, RandomState
-from .rollout import Rollout, Timer
+from .progress import Progress
 from .run import start_run
-from .traces import library_versions, reward_failures, signal_warnings, step_metrics
+from .sampling.generation import eos_ids
+from .sampling.lag import SamplingPolicy
+from .sampling.rollout import Rollout, Timer
+from .traces import RewardWatch, replay_coordinate, step_metrics
 
 __all__ = ["MEASURED", "Trainer", "TrainingError", "Timer"]
 
@@ -67,55 +69,33 @@ class Trainer:
         self.dist, self.is_main = self.run.place.dist, self.run.place.dist.is_main
         self.step, self.run_id = self.run.state.step, self.run.state.run_id
         self.preemption = Preemption(self.dist)
+        self.policy = SamplingPolicy(self.learner.model, self.run.lagged, self.collector.ahead)
+        self.rewards = RewardWatch(self.run.reward.names, self.cfg.rewards.max_failed_steps,
+                                   self.run.state.no_reward_streak)
+        self.progress = Progress(self.cfg.run.steps)  # (train() shows a bar or lines; this one only says)
         self.on_phase = on_phase or (lambda name: None)
         self._held_out: list[Example] | None = None
-        self._no_reward_steps = self.run.state.no_reward_streak  # steps in a row without any reward value
-        self._bar = None  # the progress bar while train() draws one (_say writes around it)
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
-        r = self.cfg.rollout  # the run's part of every trace line's replay coordinate
-        self._coordinate = {
-            "sampling": {"engine": r.engine, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
-                         "max_new_tokens": r.max_new_tokens, "min_new_tokens": r.min_new_tokens,
-                         "stop_ids": eos_ids(self.learner.model, self.run.tokenizer)},
-            "versions": library_versions()}
+        r = self.cfg.rollout
+        self._coordinate = replay_coordinate({
+            "engine": r.engine, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
+            "max_new_tokens": r.max_new_tokens, "min_new_tokens": r.min_new_tokens,
+            "stop_ids": eos_ids(self.learner.model, self.run.tokenizer)})
 
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
         """Rollout and score phases of the next step (see rollout.Collector), on gathered weights when sharded."""
         place, step = self.run.place, self.step + 1
-        version, digest = self.policy_of(step)
+        version, digest = self.policy.of(step)
         # (a fixed lag's worker samples with its own copy: the learner's model keeps its weights)
-        with self.sampling_policy(step) if self.collector.ahead is None else contextlib.nullcontext():
+        with self.policy.holding(step) if self.collector.ahead is None else contextlib.nullcontext():
             with gathered(place.gather_for_generation, place.sharding):
                 rollout = self.collector.collect(self.learner.model, timer, step)
         rollout.adapter_sha256, rollout.policy_version = digest, version
         return rollout
 
-    def policy_of(self, step: int) -> tuple[int, str | None]:
-        """(version, adapter digest) of the policy that samples `step`: the adapter after step `version`, the
-        current one (step - 1) unless rollout.async_lag keeps an older one (lag.py)."""
-        lagged = self.run.lagged
-        if lagged:
-            version = lagged.version_for(step)
-            return version, lagged.digest(version)
-        return step - 1, adapter_digest(self.learner.model)
-
-    def sampling_policy(self, step: int):
-        """A context in which the learner's model holds the policy that samples `step` (the current weights
-        put back after)."""
-        lagged = self.run.lagged
-        return lagged.active(self.learner.model, lagged.version_for(step)) if lagged else contextlib.nullcontext()
-
-    def resample(self, timer: Timer) -> Rollout:
-        """The next step sampled and scored again, as `collect` does it, with the random draws and the data
-        position put back after: the loop goes on as if it never ran (docuchat-rl replay)."""
-        rng, data = RandomState.capture(), self.collector.sampler.state()
-        try:
-            return self.collect(timer)
-        finally:
-            self._rewind(rng, data)
-
-    def _rewind(self, rng: RandomState, data: dict) -> None:
+    def rewind(self, rng: RandomState, data: dict) -> None:
+        """Put the random draws and the data position back to where a step began (it is sampled again)."""
         rng.restore()
         self.collector.sampler = PromptSampler(len(self.run.examples), self.cfg.run.seed, **data)
 
@@ -165,32 +145,11 @@ class Trainer:
             run.outputs.metrics.write([m])
         if run.wandb is not None:
             run.wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
-        self._check_rewards(records, m)
+        for line in self.rewards.check(records, m):
+            if self.is_main:
+                self.progress.say(f"docuchat-rl: warning: {line}")
+        self.rewards.stop_if_starved(records)  # (rewards.max_failed_steps steps in a row without a value)
         return m
-
-    def _say(self, line: str) -> None:
-        """A line on stderr, on its own line: with the progress bar drawn, through tqdm (which clears the bar,
-        writes the line and redraws it; a plain print would land after the bar's text, where the bar's next
-        redraw hides it)."""
-        if self._bar is not None:
-            self._bar.write(line, file=sys.stderr)
-        else:
-            print(line, file=sys.stderr, flush=True)
-
-    def _check_rewards(self, records: list, m: dict) -> None:
-        """Say at once when a component failed on every completion or the step had no learning signal
-        (traces.signal_warnings), and stop when no component gave any completion a value for
-        `rewards.max_failed_steps` steps in a row (the run would train nothing)."""
-        if self.is_main:
-            for line in reward_failures(records, self.run.reward.names) + signal_warnings(m):
-                self._say(f"docuchat-rl: warning: {line}")
-        self._no_reward_steps = self._no_reward_steps + 1 if m["reward_missing"] == len(records) else 0
-        if self._no_reward_steps >= self.cfg.rewards.max_failed_steps:
-            first = next((f"reward {name!r}: {c['error']}" for r in records for name, c in r.rewards.items()
-                          if c["error"]), "every component returned None")
-            raise TrainingError(f"no reward component produced a value for any completion in {self._no_reward_steps} "
-                                f"steps in a row (rewards.max_failed_steps): nothing to learn from; first error: "
-                                f"{first}")
 
     def checkpoint(self, step: int) -> Path:
         """Every process takes part (each saves its random states); the main process writes the rest and
@@ -198,7 +157,7 @@ class Trainer:
         run, learner = self.run, self.learner
         state = TrainerState(step=step, run_id=self.run_id, sampler=self.collector.data_state(step),
                              offsets=run.outputs.offsets(), nonfinite_streak=learner.nonfinite_streak,
-                             no_reward_streak=self._no_reward_steps, world_size=self.dist.world,
+                             no_reward_streak=self.rewards.streak, world_size=self.dist.world,
                              data=run.state.data)
 
         def write_into(folder: Path) -> None:
@@ -213,7 +172,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out evaluation, each process a share of the rows, the numbers over all of them on every
         process (greedy, and pass@k from its own streams: the run's random state is unchanged by it)."""
-        from .evaluate import evaluate
+        from .tools.evaluate import evaluate
 
         if self._held_out is None:
             self._held_out = load_split(self.cfg.data, "test", self.cfg.eval.limit)
@@ -228,45 +187,25 @@ class Trainer:
         still spans run.steps: a long run split over several jobs). Returns the metric records.
         Raises Preempted after SIGTERM/SIGINT, at the next safe point: before a step's update (the step is
         dropped and replayed on resume, its random draws and data position rewound) or after a step."""
-        cfg, history, bar = self.cfg, [], None
+        cfg, history = self.cfg, []
         if stop_after is not None and not self.step < stop_after <= cfg.run.steps:
             raise TrainingError(f"--stop-after {stop_after}: must come after the run's last step ({self.step}) "
                                 f"and not beyond run.steps ({cfg.run.steps})")
-        lines = None  # without a terminal: a plain line every this many steps, not a bar's frames in the log
-        if cfg.logging.progress and self.is_main:
-            if sys.stderr.isatty():
-                from tqdm.auto import tqdm
-
-                bar = tqdm(total=cfg.run.steps, initial=self.step, desc="train", dynamic_ncols=True)
-            else:
-                lines = max(1, cfg.run.steps // 50)
-        self._bar = bar
-        started = time.perf_counter()
+        self.progress = Progress(cfg.run.steps, self.step, enabled=cfg.logging.progress and self.is_main)
         try:
             with self.preemption.handling():
                 for step in range(self.step + 1, cfg.run.steps + 1):
-                    m = self._step(step, started, last=step in (cfg.run.steps, stop_after))
-                    history.append(m)
-                    shown = {"reward": f"{m['reward/mean']:.3f}", "tok_s": f"{m['rollout_tokens_per_s'] or 0:.0f}"}
-                    if m.get("accuracy") is not None:  # (no accuracy component: nothing to show)
-                        shown["acc"] = f"{m['accuracy']:.3f}"
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(shown)
-                    elif lines and (step % lines == 0 or step == cfg.run.steps):
-                        self._say(f"train step {step}/{cfg.run.steps}: " + ", ".join(f"{k} {v}" for k, v in shown.items())
-                                  + f", {time.perf_counter() - started:.0f} s")
+                    history.append(self._step(step, last=step in (cfg.run.steps, stop_after)))
+                    self.progress.step(step, history[-1])
                     if self.preemption.requested():  # safe point: the step is finished
                         self._stop()
                     if stop_after is not None and step >= stop_after:
                         break
         finally:
-            if bar is not None:
-                bar.close()
-            self._bar = None
+            self.progress.close()
         return history
 
-    def _step(self, step: int, started: float, last: bool = False) -> dict:
+    def _step(self, step: int, last: bool = False) -> dict:
         """One whole step, phase by phase; -> its metrics record. A `last` step is always checkpointed."""
         timer, rng, data = Timer(), RandomState.capture(), self.collector.sampler.state()
         reset_peak(self.dist.device)
@@ -276,19 +215,16 @@ class Trainer:
             batch = self.prepare(rollout)
         extra = self.advantages(batch, timer)
         if self.preemption.requested():  # safe point: nothing of this step is applied or written yet
-            self._rewind(rng, data)
+            self.rewind(rng, data)
             self._stop()
         self.on_phase("update")
         extra.update(self.update(batch, timer, rollout.global_groups))
-        if self.run.lagged:
-            self.run.lagged.record(step, self.learner.model)
-            if self.collector.ahead is not None:  # the worker gets version `step` and samples step step+1+k
-                self.collector.ahead.after_update(step)
-            extra["async/lag"] = step - 1 - rollout.policy_version  # (steps the sampling policy is behind)
+        extra.update(self.policy.updated(step))  # (a fixed lag keeps the new version; its worker gets it)
         if self.cfg.eval.every and self.cfg.data.test and step % self.cfg.eval.every == 0:
             self.on_phase("eval")
             result = self.evaluate()  # (on every process: each evaluates a share of the rows)
-            self.last_eval = {"step": step, "minutes": round((time.perf_counter() - started) / 60, 3), **result}
+            minutes = round((time.perf_counter() - self.progress.started) / 60, 3)
+            self.last_eval = {"step": step, "minutes": minutes, **result}
             if self.run.outputs.evals is not None:
                 self.run.outputs.evals.write([self.last_eval])
             extra["eval/accuracy"] = self.last_eval.get("accuracy")

@@ -7,8 +7,17 @@ Every reward is a callable in TRL's convention, so it can be passed as-is to `tr
 """
 
 from . import arithmetic, correctness, format, language, length, reasoning, repetition  # noqa: F401  (registration)
-from .base import (FunctionReward, Reward, RewardError, Score, build_reward, register, registered,
-                   resolve_reward, text_of)
+from .base import (
+                   FunctionReward,
+                   Reward,
+                   RewardError,
+                   Score,
+                   build_reward,
+                   register,
+                   registered,
+                   resolve_reward,
+                   text_of,
+)
 from .composite import BatchResult, ComponentResult, CompositeReward, RewardFailure, RewardRecord
 
 __all__ = ["BatchResult", "ComponentResult", "CompositeReward", "FunctionReward", "Reward", "RewardError",

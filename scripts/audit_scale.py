@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="write the traces here and keep them")
     ap.add_argument("--memory-limit", default="1GB", help="DuckDB memory limit (it spills to disk beyond)")
     a = ap.parse_args()
-    from docuchat_rl.audit import TraceStore
+    from docuchat_rl.tools.audit import TraceStore
 
     with tempfile.TemporaryDirectory() as tmp:
         path = a.keep or Path(tmp) / "traces.jsonl"

@@ -28,13 +28,12 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
 from docuchat_rl.data import reasoning_target, render_prompt
-from docuchat_rl.generation import generate
+from docuchat_rl.sampling.generation import generate
 from docuchat_rl.synthetic import make_split, make_task
 from rewards.correctness import gold_of
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from docuchat_rl.advantages import gae, nstep_returns, whiten
-from docuchat_rl.losses import clipped_surrogate, value_loss
+from docuchat_rl.learning.advantages import gae, nstep_returns, whiten
+from docuchat_rl.learning.losses import clipped_surrogate, value_loss
 
 
 def layer(i: int, o: int, gain: float = 2 ** 0.5) -> nn.Linear:

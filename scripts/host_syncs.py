@@ -21,7 +21,7 @@ from docuchat_rl.diagnostics import count_host_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 def decode_per_token(model, tok) -> float:
-    from docuchat_rl.generation import generate
+    from docuchat_rl.sampling.generation import generate
 
     prompts = ["What is 2 + 2?", "Ben has 5 coins. Ben loses 2 coins. How many coins does Ben have now?"]
     n = {}

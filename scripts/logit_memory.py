@@ -28,8 +28,8 @@ def worker(a) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from docuchat_rl.batch import build_batch
-    from docuchat_rl.forward import policy_forward
+    from docuchat_rl.learning.batch import build_batch
+    from docuchat_rl.learning.forward import policy_forward
 
     torch.manual_seed(0)
     dev = torch.device(a.device)

@@ -37,9 +37,9 @@ def main() -> None:
 
     from docuchat_rl.config import load_config
     from docuchat_rl.data import load_split, render_prompt
-    from docuchat_rl.fused_lora import fuse_lora
-    from docuchat_rl.generation import generate
+    from docuchat_rl.learning.fused_lora import fuse_lora
     from docuchat_rl.modeling import build_lora, load_model_and_tokenizer
+    from docuchat_rl.sampling.generation import generate
 
     torch.set_num_threads(a.threads)
     cfg = load_config(a.config).for_device("cpu")

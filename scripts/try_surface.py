@@ -169,7 +169,6 @@ def tmpfs(root: Path, size: str) -> Path | None:
 def cases(s: dict) -> list[Case]:
     r, run, other = s["root"], s["run"], s["other"]
     ck = run / "checkpoint-3"
-    out = str(r / "new")
     C = Case
     t = ["train", *sets()]
     new_run = lambda name: ["--set", f"run.output_dir={r / name}"]  # noqa: E731

@@ -3,7 +3,7 @@ import statistics
 import pytest
 import torch
 
-from docuchat_rl.advantages import group_advantages
+from docuchat_rl.learning.advantages import group_advantages
 
 
 def _groups(n, g):
@@ -70,7 +70,7 @@ def test_rows_without_a_reward_stay_out_of_the_baseline():
 
 
 # ---------------------------------------------------------------- GAE and n-step returns vs slow loops
-from docuchat_rl.advantages import gae, nstep_returns, whiten  # noqa: E402
+from docuchat_rl.learning.advantages import gae, nstep_returns, whiten  # noqa: E402
 
 
 def _ref_gae(r, v, d, nv, gamma, lam):

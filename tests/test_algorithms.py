@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from docuchat_rl.algorithms import GRPO, MISMATCH_THRESHOLD, algorithm_names, get_algorithm_class
-from docuchat_rl.batch import build_batch
 from docuchat_rl.config import load_config
-from docuchat_rl.forward import PolicyOutput
-from docuchat_rl.losses import Normalisers, sampler_weights
+from docuchat_rl.learning.algorithms import GRPO, MISMATCH_THRESHOLD, algorithm_names, get_algorithm_class
+from docuchat_rl.learning.batch import build_batch
+from docuchat_rl.learning.forward import PolicyOutput
+from docuchat_rl.learning.losses import Normalisers, sampler_weights
 
 
 def _batch(rewards, group, sampler_logps, valid=None):
@@ -41,8 +41,8 @@ def test_registry_names_and_config_types():
 def test_one_registry_holds_each_name_its_config_and_its_class():
     from typing import Literal
 
-    from docuchat_rl.algorithm_configs import ALGORITHMS, GRPOConfig
-    from docuchat_rl.algorithms import Algorithm, register_algorithm
+    from docuchat_rl.learning.algorithm_configs import ALGORITHMS, GRPOConfig
+    from docuchat_rl.learning.algorithms import Algorithm, register_algorithm
 
     assert {n: c.implementation for n, c in ALGORITHMS.items()} == {n: get_algorithm_class(n) for n in ALGORITHMS}
     with pytest.raises(ValueError, match="already has a class"):  # a second class for grpo

@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from docuchat_rl.audit import AuditError, TraceStore, compare, export, parse_selection
 from docuchat_rl.cli import main
+from docuchat_rl.tools.audit import AuditError, TraceStore, compare, export, parse_selection
 
 
 def rec(step, pid, group, sample, correct, fmt, length=20, completion=None, total=None, error=None, **kw):

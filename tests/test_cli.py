@@ -171,8 +171,9 @@ def test_a_resume_never_cuts_another_runs_folder_and_into_a_new_folder_continues
     """`--resume A/checkpoint-2` into B, which holds a run: refused, B byte for byte as it was (it used to be cut
     back to A's offsets and its new checkpoints pruned at once). Into a new folder C: C starts with A's history up
     to step 2 and ends equal to A (an exact resume)."""
-    from .test_trainer import untimed
     from docuchat_rl.outputs import read_jsonl
+
+    from .test_trainer import untimed
 
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     assert _train(a, "run.steps=4", "checkpoint.every=1", "checkpoint.keep_last=4") == 0

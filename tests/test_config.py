@@ -114,7 +114,7 @@ def test_bad_files(tmp_path):
 
 
 def test_every_field_is_documented():
-    from docuchat_rl.algorithm_configs import ALGORITHMS
+    from docuchat_rl.learning.algorithm_configs import ALGORITHMS
 
     models = [s.annotation for k, s in Config.model_fields.items() if k != "algorithm"]
     for model in models + list(ALGORITHMS.values()):
@@ -140,7 +140,7 @@ def test_a_key_of_another_algorithm_is_refused_naming_key_and_algorithm(algo, as
 
 
 def test_each_algorithm_gets_its_own_config_model():
-    from docuchat_rl.algorithm_configs import A2CConfig, GRPOConfig, PPOConfig
+    from docuchat_rl.learning.algorithm_configs import A2CConfig, GRPOConfig, PPOConfig
 
     assert type(load_config(None).algorithm) is GRPOConfig  # no name: grpo
     assert type(load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1"]).algorithm) is PPOConfig

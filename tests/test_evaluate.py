@@ -8,7 +8,7 @@ import torch
 
 from docuchat_rl.config import load_config
 from docuchat_rl.data import load_examples
-from docuchat_rl.evaluate import evaluate
+from docuchat_rl.tools.evaluate import evaluate
 
 from .conftest import ROOT, TASK
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from docuchat_rl.batch import build_batch
 from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
 from docuchat_rl.data import render_prompt
-from docuchat_rl.forward import policy_forward
+from docuchat_rl.learning.batch import build_batch
+from docuchat_rl.learning.forward import policy_forward
 
 from .conftest import with_lora
 
@@ -120,7 +120,7 @@ def test_shared_prompt_forward_equals_the_plain_forward_values_hidden_and_gradie
 
 
 def test_shared_prompt_forward_skips_itself_when_no_group_repeats(tiny):
-    from docuchat_rl.forward import _shared_prompt_forward
+    from docuchat_rl.learning.forward import _shared_prompt_forward
 
     model, tok = tiny
     assert _shared_prompt_forward(model, _group_batch(tok, [0, 1, 2])) is None
@@ -203,7 +203,7 @@ def test_length_buckets_are_the_cheapest_cut_of_the_sorted_rows():
     import itertools
     import random
 
-    from docuchat_rl.forward import bucket_rows
+    from docuchat_rl.learning.forward import bucket_rows
 
     def cost(buckets, lens, extra):
         return sum(len(b) * max(max(lens[r], 1) for r in b) + extra for b in buckets)
@@ -279,7 +279,7 @@ def test_bf16_log_probs_divide_float32_logits_by_the_temperature_as_the_sampler_
     sampler's arithmetic, generation.sample); a bf16 division would be off by ~1e-2 nats."""
     import copy
 
-    from docuchat_rl.losses import token_logprobs
+    from docuchat_rl.learning.losses import token_logprobs
 
     model, tok = tiny
     m16 = copy.deepcopy(model).to(torch.bfloat16)
@@ -346,7 +346,7 @@ def test_scoring_never_asks_the_model_for_every_layers_hidden_states(tiny):
 
 
 def test_the_chunked_no_grad_entropy_equals_the_differentiable_one():
-    from docuchat_rl.losses import token_entropy
+    from docuchat_rl.learning.losses import token_entropy
 
     logits = torch.randn(3, 700, 50, dtype=torch.float64) * 3  # [R, T, V], more positions than one chunk
     with torch.no_grad():

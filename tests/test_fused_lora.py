@@ -4,9 +4,9 @@ import copy
 
 import torch
 
-from docuchat_rl.batch import build_batch
-from docuchat_rl.forward import policy_forward
-from docuchat_rl.fused_lora import fuse_lora
+from docuchat_rl.learning.batch import build_batch
+from docuchat_rl.learning.forward import policy_forward
+from docuchat_rl.learning.fused_lora import fuse_lora
 
 from .conftest import with_lora
 
@@ -48,7 +48,7 @@ def test_fused_projection_gives_peft_log_probs_and_gradients(tiny):
     ref_logps, ref_grads = _run(pm, batch)
     assert fuse_lora(pm) == 2 * 7  # 2 layers x 7 projections
     calls = []
-    from docuchat_rl import fused_lora
+    from docuchat_rl.learning import fused_lora
 
     original = fused_lora._MergedLoRALinear.apply
     fused_lora._MergedLoRALinear.apply = lambda *a: calls.append(1) or original(*a)

@@ -6,7 +6,8 @@ import torch
 
 from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
 from docuchat_rl.data import load_examples, render_prompt
-from docuchat_rl.generation import generate, inverse_cdf, sample, warpers
+from docuchat_rl.modeling import warpers
+from docuchat_rl.sampling.generation import generate, inverse_cdf, sample
 
 from .conftest import TASK
 
@@ -159,8 +160,8 @@ def test_min_new_tokens_gives_fixed_lengths(tiny, engine):
 def test_only_the_configured_processors_shape_the_distribution(tiny, engine):
     """A model's generation_config (Qwen2.5-Instruct ships repetition_penalty and top_k) must not add
     processors: greedy output is the plain argmax path, and the sampler's log-probs are the model's."""
-    from docuchat_rl.batch import build_batch
-    from docuchat_rl.forward import policy_forward
+    from docuchat_rl.learning.batch import build_batch
+    from docuchat_rl.learning.forward import policy_forward
 
     model, tok = tiny
     prompts = _prompts(tok, 4)
@@ -189,8 +190,8 @@ def test_only_the_configured_processors_shape_the_distribution(tiny, engine):
 def test_on_policy_the_trainer_scores_what_the_sampler_drew_from_under_top_k_and_top_p(tiny, engine, top_k, top_p):
     """rollout.top_k / top_p: the trainer's log-probs are the sampler's (ratio 1 on-policy, whole logits and
     chunked); scored over the full softmax instead they were lower by log(kept mass), a bias of every ratio."""
-    from docuchat_rl.batch import build_batch
-    from docuchat_rl.forward import policy_forward
+    from docuchat_rl.learning.batch import build_batch
+    from docuchat_rl.learning.forward import policy_forward
 
     model, tok = tiny
     sampled = generate(model, tok, _prompts(tok, 3), engine=engine, max_new_tokens=24, do_sample=True,
@@ -210,7 +211,7 @@ def test_on_policy_the_trainer_scores_what_the_sampler_drew_from_under_top_k_and
 def test_row_seeds_make_each_row_independent_of_batching_and_engine(tiny):
     """With one random stream per row, a row draws the same completion whatever the batch size, whichever
     rows share its batch, and in either engine."""
-    from docuchat_rl.rollout import row_seed
+    from docuchat_rl.sampling.rollout import row_seed
 
     model, tok = tiny
     prompts = _prompts(tok, 6)
@@ -232,7 +233,7 @@ def test_finished_rows_leave_the_decode_batch_and_every_row_samples_as_before(ti
     get fewer rows, and every row's completion and log-probs are what transformers.generate draws with the
     same row seeds. Both decode steps: the grouped one (rows of a prompt leave its group unevenly) and
     the model's own forward."""
-    from docuchat_rl.rollout import row_seed
+    from docuchat_rl.sampling.rollout import row_seed
 
     model, tok = tiny
     prompts = _prompts(tok, 8)

@@ -6,9 +6,9 @@ or not; and the architectures it leaves to the model's forward."""
 import pytest
 import torch
 
-from docuchat_rl import grouped_decode
-from docuchat_rl.generation import _ModelSteps, generate
-from docuchat_rl.forward import position_ids
+from docuchat_rl.modeling import position_ids
+from docuchat_rl.sampling import grouped_decode
+from docuchat_rl.sampling.generation import _ModelSteps, generate
 
 from .conftest import with_lora
 from .test_generation import _prompts
@@ -153,7 +153,7 @@ def test_other_architectures_decode_through_the_model_forward(tiny, arch):
 def test_grouped_sampling_draws_the_same_completions_as_the_model_forward(tiny):
     """End to end on the default model with natural EOS: the same row seeds give the same completions
     with the grouped step (one model forward per chunk: the prefill) as through the model's forward."""
-    from docuchat_rl.rollout import row_seed
+    from docuchat_rl.sampling.rollout import row_seed
 
     model, tok = tiny
     prompts = _prompts(tok, 4)

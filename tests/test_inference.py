@@ -147,11 +147,11 @@ def test_export_gives_a_plain_model_equal_to_base_plus_adapter(run, tmp_path, ca
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from docuchat_rl.batch import build_batch
     from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
     from docuchat_rl.data import load_examples, render_prompt
-    from docuchat_rl.forward import policy_forward
-    from docuchat_rl.generation import generate
+    from docuchat_rl.learning.batch import build_batch
+    from docuchat_rl.learning.forward import policy_forward
+    from docuchat_rl.sampling.generation import generate
 
     out_dir, ckpt = run
     out = tmp_path / "merged"
@@ -193,7 +193,7 @@ def _tiny_reward_model(folder):
 @pytest.mark.slow
 def test_a_reward_model_scores_beside_correctness_in_a_real_run(tmp_path):
     from docuchat_rl.config import load_config
-    from docuchat_rl.reward_models import RewardModel
+    from docuchat_rl.sampling.reward_models import RewardModel
     from docuchat_rl.trainer import Trainer
 
     rm = _tiny_reward_model(tmp_path / "rm")
@@ -357,8 +357,8 @@ def test_export_of_an_adapted_tied_embedding_equals_base_plus_adapter(tmp_path):
     from peft import PeftModel
 
     from docuchat_rl.config import Config, LoraConfig
-    from docuchat_rl.inference import export_merged
     from docuchat_rl.modeling import build_lora
+    from docuchat_rl.tools.inference import export_merged
 
     tok = tf.AutoTokenizer.from_pretrained(str(MODEL))
     base_dir = tmp_path / "tied"

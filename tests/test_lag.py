@@ -9,10 +9,10 @@ import torch
 
 from docuchat_rl.config import ConfigError
 from docuchat_rl.data import render_prompt
-from docuchat_rl.generation import generate
-from docuchat_rl.inference import load_policy
 from docuchat_rl.modeling import merged_adapter
 from docuchat_rl.outputs import read_jsonl
+from docuchat_rl.sampling.generation import generate
+from docuchat_rl.tools.inference import load_policy
 from docuchat_rl.trainer import Trainer
 
 from .test_trainer import cfg_for, untimed
@@ -39,10 +39,10 @@ def test_each_step_is_sampled_by_the_adapter_of_step_t_minus_1_minus_lag(tmp_pat
         rows = [t for t in traces if t["step"] == step]
         assert {t["policy_version"] for t in rows} == {version}
         if version == 0:  # the initial adapter (B = 0): the base model's distribution
-            model, tok = load_policy(cfg, None)
+            model, tok = load_policy(cfg.model, None)
             ctx = contextlib.nullcontext()
         else:
-            model, tok = load_policy(cfg, tmp_path / f"checkpoint-{version}")
+            model, tok = load_policy(cfg.model, tmp_path / f"checkpoint-{version}")
             ctx = merged_adapter(model)
         groups = [rows[i] for i in range(0, len(rows), r.num_generations)]
         prompts = [render_prompt(tok, g["prompt"], cfg.data.system_prompt) for g in groups]
@@ -54,9 +54,9 @@ def test_each_step_is_sampled_by_the_adapter_of_step_t_minus_1_minus_lag(tmp_pat
                            batch_size=r.generation_batch_size)
         assert gen.completion_ids == [t["completion_ids"] for t in rows], step
         if step == 4:  # a tampered token's log-prob at the divergence is the sampling version's (1), not 3's
-            from docuchat_rl.batch import build_batch
-            from docuchat_rl.forward import policy_forward
-            from docuchat_rl.replay import replay
+            from docuchat_rl.learning.batch import build_batch
+            from docuchat_rl.learning.forward import policy_forward
+            from docuchat_rl.tools.replay import replay
 
             line = next(t for t in rows if len(t["completion_ids"]) > 3)
             line["completion_ids"][2] = (line["completion_ids"][2] + 7) % 100
@@ -93,7 +93,7 @@ def test_a_lagged_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path)
 def test_a_fixed_lag_takes_the_old_log_probs_from_the_sampler_with_no_forward_for_them(tmp_path):
     """Several updates per rollout need old log-probs; under a fixed lag they are the sampler's (the ratio's
     old side), so the no-grad pass that would compute the learner's is not run (its result was discarded)."""
-    from docuchat_rl.algorithms import get_algorithm_class
+    from docuchat_rl.learning.algorithms import get_algorithm_class
 
     for lag, forward in ((0, True), (1, False)):
         cfg = cfg_for(tmp_path, "algorithm.num_iterations=2", f"rollout.async_lag={lag}").for_device("cpu")
@@ -160,7 +160,7 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
     for x, y in zip(read_jsonl(ref / "metrics.jsonl"), read_jsonl(full / "metrics.jsonl")):
         assert x["async/lag"] == y["async/lag"] and math.isclose(x["loss"], y["loss"], rel_tol=1e-4, abs_tol=1e-7)
     assert max(m["time/rollout"] for m in read_jsonl(full / "metrics.jsonl")[2:]) < 0.5  # sampled while updating
-    from docuchat_rl.replay import replay  # a worker run replays with its worker (same threads, same numbers)
+    from docuchat_rl.tools.replay import replay  # a worker run replays with its worker (same threads, same numbers)
 
     lines = [t for t in b if t["step"] in (2, 4)][::5]
     assert all(r.same for r in replay(full, lines, progress=False, say=lambda s: None))

@@ -3,10 +3,10 @@ no-grad passes each algorithm asks the learner for."""
 
 import pytest
 
-from docuchat_rl.algorithms import get_algorithm_class
 from docuchat_rl.config import load_config
 from docuchat_rl.distributed import Dist
-from docuchat_rl.learner import MetricAccumulator
+from docuchat_rl.learning.algorithms import get_algorithm_class
+from docuchat_rl.learning.learner import MetricAccumulator
 
 
 def test_metrics_are_token_weighted_means_unless_the_algorithm_names_a_max():

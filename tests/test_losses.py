@@ -5,8 +5,15 @@ import math
 import pytest
 import torch
 
-from docuchat_rl.losses import (Normalisers, aggregate, clipped_surrogate, k3_kl, log_ratio, token_entropy,
-                                token_logprobs)
+from docuchat_rl.learning.losses import (
+    Normalisers,
+    aggregate,
+    clipped_surrogate,
+    k3_kl,
+    log_ratio,
+    token_entropy,
+    token_logprobs,
+)
 
 
 def test_token_logprobs_match_log_softmax_gather():
@@ -102,7 +109,7 @@ def test_sequence_ratio_is_masked_token_mean():
 
 
 # ---------------------------------------------------------------- value loss
-from docuchat_rl.losses import explained_variance, value_loss  # noqa: E402
+from docuchat_rl.learning.losses import explained_variance, value_loss  # noqa: E402
 
 
 def test_clipped_value_loss_hand_cases():
@@ -152,7 +159,7 @@ def _truncated_reference(z: torch.Tensor, top_k: int, top_p: float, t: int):
 
 def test_truncated_log_probs_by_hand():
     """logits [2, 1, 0, -1]: top-k 2 keeps tokens 0 and 1; top-p 0.9 drops only token 3 (mass 0.032)."""
-    from docuchat_rl.losses import chunked_token_stats
+    from docuchat_rl.learning.losses import chunked_token_stats
 
     hidden = torch.tensor([[[2.0, 1.0, 0.0, -1.0]] * 2])  # [1, 2, 4]: the head is the identity
     ids = torch.tensor([[1, 2]])
@@ -173,7 +180,7 @@ def test_truncated_log_probs_entropy_and_gradients_equal_a_slow_reference_loop(t
     """The trainer's scoring under top-k / top-p, both paths (whole logits and the chunked written-out
     backward), against a per-position loop that truncates by hand: values, and gradients of
     logp + 0.3 * entropy to the hidden states and the head (none to the dropped logits)."""
-    from docuchat_rl.forward import _token_stats
+    from docuchat_rl.learning.forward import _token_stats
 
     torch.manual_seed(0)
     head = torch.nn.Linear(6, 13, bias=False)

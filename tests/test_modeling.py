@@ -7,8 +7,8 @@ import torch
 
 from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT, load_config
 from docuchat_rl.data import render_prompt
-from docuchat_rl.generation import generate
 from docuchat_rl.modeling import pick_dtype
+from docuchat_rl.sampling.generation import generate
 
 from .conftest import MODEL, with_lora
 
@@ -120,9 +120,9 @@ def test_the_float32_head_gives_float32_logits_and_a_bfloat16_input_gradient():
 def test_bf16_mixed_trains_float32_lora_weights_and_samples_what_it_scores():
     """LoRA on a bf16-mixed model: float32 adapters that get gradients (the base none), and a sampler whose
     log-probs are nearer the trainer's than plain bfloat16's."""
-    from docuchat_rl.batch import build_batch
     from docuchat_rl.config import LoraConfig
-    from docuchat_rl.forward import policy_forward
+    from docuchat_rl.learning.batch import build_batch
+    from docuchat_rl.learning.forward import policy_forward
     from docuchat_rl.modeling import build_lora, load_model_and_tokenizer
 
     gaps = {}
@@ -147,7 +147,7 @@ def test_bf16_mixed_trains_float32_lora_weights_and_samples_what_it_scores():
 
 @pytest.mark.slow
 def test_card_accuracy_is_in_band_and_re_measures_within_3_points(tiny):
-    from docuchat_rl.evaluate import evaluate
+    from docuchat_rl.tools.evaluate import evaluate
 
     card = json.loads((MODEL / "card.json").read_text())
     claimed = card["heldout"]["greedy_accuracy"]

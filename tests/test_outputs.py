@@ -1,8 +1,8 @@
 """Run outputs: a fresh run never appends to an earlier run's files."""
 
-import pytest
-
 import json
+
+import pytest
 
 from docuchat_rl.outputs import add_to_report, adopt_history, check_new_file, claim_output_dir, read_jsonl
 
@@ -52,9 +52,9 @@ def test_a_run_without_a_checkpoint_is_not_offered_a_resume(tmp_path):
 def test_read_back_skips_torn_wrongly_typed_and_non_utf8_lines(tmp_path):
     """Every JSONL file read back (metrics, traces, eval.jsonl in the audit and the export's model card) keeps
     the intact records of a file a kill, a disk error or a hand edit damaged."""
-    from docuchat_rl.audit import eval_records
     from docuchat_rl.config import load_config
-    from docuchat_rl.inference import _model_card
+    from docuchat_rl.tools.audit import eval_records
+    from docuchat_rl.tools.inference import _model_card
 
     path = tmp_path / "eval.jsonl"
     path.write_bytes(b'{"step": 1, "accuracy": 0.5}\n[1, 2]\n7\n"text"\n{"step": "two"}\n{"step": 3, "accur\xe9'

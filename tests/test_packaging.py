@@ -3,6 +3,7 @@ distribution provides (pip warns "does not provide the extra" otherwise)."""
 
 import importlib.metadata as md
 import re
+
 import tomllib
 
 from .conftest import ROOT

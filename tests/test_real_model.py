@@ -150,11 +150,11 @@ def test_the_trainer_scores_what_the_sampler_drew(smollm2, dtype, bound):
     """The fast engine (grouped decode, merged LoRA) and the training forward (shared prompt, length buckets,
     logit chunks) on the same tokens: max |delta log p| within 1e-4 in float32; the mean within 0.03 nats in
     bf16-mixed (measured 0.012: bfloat16 matmuls round differently in a decode step and a whole sequence)."""
-    from docuchat_rl.batch import build_batch
     from docuchat_rl.data import load_examples, render_prompt
-    from docuchat_rl.forward import policy_forward
-    from docuchat_rl.generation import generate, row_seed
+    from docuchat_rl.learning.batch import build_batch
+    from docuchat_rl.learning.forward import policy_forward
     from docuchat_rl.modeling import load_model_and_tokenizer, merged_adapter
+    from docuchat_rl.sampling.generation import generate, row_seed
 
     from .conftest import with_lora
 

@@ -9,9 +9,9 @@ import statistics
 import pytest
 
 from docuchat_rl.cli import main
-from docuchat_rl.outputs import read_jsonl
 from docuchat_rl.config import config_from_dict
-from docuchat_rl.replay import ReplayError, replay, rescore, run_config, select
+from docuchat_rl.outputs import read_jsonl
+from docuchat_rl.tools.replay import ReplayError, replay, rescore, run_config, select
 
 from .conftest import ROOT
 

@@ -1,7 +1,7 @@
 """Dynamic sampling's decision: a group trains only when the rewards of its completions that have a
 value differ (a completion without any reward value is out of the baseline and adds no signal)."""
 
-from docuchat_rl.rollout import rewards_varied
+from docuchat_rl.sampling.rollout import rewards_varied
 from rewards import CompositeReward
 
 
@@ -28,7 +28,7 @@ def test_truncated_completions_stay_in_their_group_but_out_of_the_loss():
     """mask_truncated_completions: the cut completion's tokens are in the batch (its group's baseline
     still counts its reward) but not in the completion mask nor in the loss's token count."""
     from docuchat_rl.data import Example
-    from docuchat_rl.rollout import Completion, Rollout
+    from docuchat_rl.sampling.rollout import Completion, Rollout
 
     comp = CompositeReward([{"name": "tests.user_rewards:length_over", "weight": 2.0}])
     records = comp(["Q"] * 2, ["a", "bb"]).records
@@ -50,9 +50,9 @@ def test_a_process_without_used_groups_builds_an_empty_batch_that_gdpo_handles()
     advantages (which take batch statistics over every process) still run on it."""
     import torch
 
-    from docuchat_rl.advantages import decoupled_advantages
     from docuchat_rl.data import Example
-    from docuchat_rl.rollout import Completion, Rollout
+    from docuchat_rl.learning.advantages import decoupled_advantages
+    from docuchat_rl.sampling.rollout import Completion, Rollout
 
     rec = CompositeReward([{"name": "tests.user_rewards:length_over", "weight": 1.0}])(["Q"], ["a"]).records[0]
     rollout = Rollout([Completion(Example(0, "Q", "1"), 0, 0, 0, [5], [1], [-0.1], "a", False, rec, False, None)], 1, 0)

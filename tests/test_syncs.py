@@ -11,9 +11,10 @@ its step counter, a CPU tensor, with `item()` (no device sync)."""
 import torch
 
 from docuchat_rl.diagnostics import count_host_reads
-from docuchat_rl.generation import DONE_CHECK_EVERY, generate
+from docuchat_rl.sampling.generation import DONE_CHECK_EVERY, generate
 
 from .conftest import MODEL
+
 
 def _llama(tok, layers):
     import transformers as tf

@@ -1,18 +1,18 @@
-"""The trace contract: one definition gives the README's schema table, the audit's columns and the
+"""The trace contract: one definition gives docs/traces.md's schema table, the audit's columns and the
 records; a step's metrics from its records against hand-computed values."""
 
 import pytest
 
-from docuchat_rl.audit import BASE_COLUMNS
 from docuchat_rl.data import Example
+from docuchat_rl.tools.audit import BASE_COLUMNS
 from docuchat_rl.traces import ALGORITHM_FIELDS, TraceRecord, columns, completion_fields, schema_table, step_metrics
 from rewards import CompositeReward
 
 from .conftest import ROOT
 
 
-def test_the_readme_schema_table_is_the_one_the_trace_module_gives():
-    assert schema_table() in (ROOT / "README.md").read_text()
+def test_the_documented_schema_table_is_the_one_the_trace_module_gives():
+    assert schema_table() in (ROOT / "docs" / "traces.md").read_text()
 
 
 def test_the_audit_reads_every_scalar_field_a_trace_line_has():

@@ -234,7 +234,7 @@ def test_data_set_columns_reach_the_rewards(tmp_path):
 def test_separate_critic_adapter_keeps_value_gradients_off_the_policy_adapter(tmp_path):
     """With critic_backbone=separate the value loss trains the critic's adapter and value head only, and
     the policy loss trains the policy adapter only; shared, the value loss reaches the policy adapter."""
-    from docuchat_rl.losses import Normalisers
+    from docuchat_rl.learning.losses import Normalisers
 
     for backbone in ("separate", "shared"):
         t = Trainer(cfg_for(tmp_path / backbone, "algorithm.name=ppo", "rollout.num_generations=1",

@@ -60,7 +60,7 @@ def trl_run(tmp_path, **trl_args):
 
 def our_batch(trainer, inputs, mask_truncated: bool = False):
     """Our Batch of TRL's rows: the same prompt and completion tokens, TRL's per-function rewards."""
-    from docuchat_rl.batch import build_batch
+    from docuchat_rl.learning.batch import build_batch
 
     tok = trainer.processing_class
     prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(inputs["prompt_ids"], inputs["prompt_mask"])]
@@ -89,7 +89,7 @@ def our_config(**algorithm):
 
 def off_policy(inputs, model, batch, seed: int = 1):
     """Rollout-time and sampler log-probs that differ from the current ones (ratios away from 1)."""
-    from docuchat_rl.forward import policy_forward
+    from docuchat_rl.learning.forward import policy_forward
 
     with torch.no_grad():
         now = policy_forward(model, batch).logps  # [R, T]
@@ -106,9 +106,9 @@ def off_policy(inputs, model, batch, seed: int = 1):
 
 def both_losses(trainer, inputs, cfg, batch, old, sampler, norm_tokens=None):
     """(TRL's loss, its gradients) and (ours, our gradients) on TRL's model."""
-    from docuchat_rl.algorithms import GRPO
-    from docuchat_rl.forward import policy_forward
-    from docuchat_rl.losses import Normalisers
+    from docuchat_rl.learning.algorithms import GRPO
+    from docuchat_rl.learning.forward import policy_forward
+    from docuchat_rl.learning.losses import Normalisers
 
     model = trainer.model
     model.train()

@@ -60,14 +60,14 @@ def engine():
     """One engine on the committed model with a LoRA adapter whose deltas are non-zero, synced."""
     from docuchat_rl.config import load_config
     from docuchat_rl.modeling import load_model_and_tokenizer
-    from docuchat_rl.vllm_engine import VLLMEngine, engine_spec
+    from docuchat_rl.sampling.vllm_engine import VLLMEngine, engine_spec
 
     from .conftest import with_lora
 
     model, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
     model = with_lora(model, ["q_proj", "v_proj", "up_proj"])
     cfg = load_config(None, [f"model.name_or_path={MODEL}", "rollout.engine=vllm", KV]).for_device("cpu")
-    eng = VLLMEngine(cfg, tok, engine_spec(cfg, model, tok, max_prompt_tokens=256))
+    eng = VLLMEngine(cfg, tok, engine_spec(cfg.rollout, model, tok, max_prompt_tokens=256))
     eng.sync(model)
     return eng, model, tok
 
@@ -82,7 +82,7 @@ def prompts(tok, n=3):
 def warped_logps(model, gen, temperature, top_k, top_p):
     """Our own reference: the policy's logits at each completion position, through the same processors
     as our samplers (temperature, top-k, top-p), log-softmaxed, at the sampled token."""
-    from docuchat_rl.generation import warpers
+    from docuchat_rl.modeling import warpers
 
     out = []
     for p, c in zip(gen.prompt_ids, gen.completion_ids):
@@ -104,8 +104,8 @@ def test_the_engines_log_probs_are_the_policys_under_the_configured_processors(e
     ref = warped_logps(model, gen, temperature, top_k, top_p)
     worst = max(abs(a - b) for row, rrow in zip(gen.logps, ref) for a, b in zip(row, rrow))
     assert worst <= 1e-4, worst
-    from docuchat_rl.batch import build_batch  # the trainer's side scores the same truncated distribution
-    from docuchat_rl.forward import policy_forward
+    from docuchat_rl.learning.batch import build_batch  # the trainer's side scores the same truncated distribution
+    from docuchat_rl.learning.forward import policy_forward
 
     batch = build_batch(gen.prompt_ids, gen.completion_ids, [0.0] * 6, [0, 0, 1, 1, 2, 2], tok.pad_token_id,
                         sampler_logps=gen.logps)

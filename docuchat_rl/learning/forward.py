@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..modeling import base_model, cache_of, in_compute_context, position_ids, with_cache
 from .batch import Batch
 from .losses import FILTERED, chunked_token_stats, dropped, kept_floor, token_entropy, token_logprobs
-from .modeling import base_model, cache_of, in_compute_context, with_cache
 
 
 @dataclass
@@ -42,11 +42,6 @@ class PolicyOutput:
     logps: torch.Tensor  # [R, T] log-probs of the completion tokens (with grad if enabled)
     entropy: torch.Tensor | None  # [R, T] no grad
     hidden: torch.Tensor | None  # [R, T, H] last hidden states at the positions that predict each token
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only (left padding does not shift them). [R, L] -> [R, L]"""
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 BUCKET_COST = 64  # padded positions one more forward is worth (its fixed cost: the model calls, the

@@ -22,13 +22,13 @@ import torch
 
 from rewards import CompositeReward
 
-from .config import Config
-from .data import Example, load_split, render_prompt
-from .distributed import Dist
-from .generation import generate, row_seed
-from .modeling import merged_adapter
-from .scoring import build_reward, score
-from .traces import reward_means
+from ..config import Config
+from ..data import Example, load_split, render_prompt
+from ..distributed import Dist
+from ..modeling import merged_adapter
+from ..sampling.generation import generate, row_seed
+from ..sampling.scoring import build_reward, score
+from ..traces import reward_means
 
 EVAL_STEP = 0  # pass@k's random streams are row_seed(run seed, EVAL_STEP, row, sample); training steps start at 1
 

@@ -48,7 +48,7 @@ class RewardModel(Reward):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from .modeling import pick_device, pick_dtype
+        from ..modeling import pick_device, pick_dtype
 
         self.model_name, self.label, self.batch_size, self.max_length = model, label, batch_size, max_length
         self.device = pick_device(device)

@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from .modeling import base_model
+from ..modeling import base_model
 
 # decoder layers with exactly Llama's structure and rotary/attention conventions (checked in `supports`)
 LLAMA_LIKE = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")

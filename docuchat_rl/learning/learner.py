@@ -10,7 +10,9 @@ combined over micro-batches and processes by `MetricAccumulator`, with each metr
 Under FSDP2 every forward through the sharded layers is a collective, so a process with fewer
 micro-batches runs placeholder rows that train nothing (`micro_batches`).
 
-Deliberately left out: gradient accumulation across rollouts and asynchronous (off-policy) updates.
+Deliberately left out: gradient accumulation across rollouts, and a proximal policy for lagged batches
+(under rollout.async_lag the ratio and its clip are taken against the sampler's log-probs, not against the
+learner at the step's start as decoupled PPO does).
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import math
 import numpy as np
 import torch
 
+from ..config import Config
+from ..distributed import Dist
+from ..errors import TrainingError
+from ..modeling import CRITIC_ADAPTER, active_adapter
 from .algorithms import Algorithm
 from .batch import Batch
-from .config import Config
-from .distributed import Dist
-from .errors import TrainingError
 from .forward import PolicyOutput, policy_forward
 from .losses import Normalisers
-from .modeling import CRITIC_ADAPTER, active_adapter
 
 
 class MetricAccumulator:

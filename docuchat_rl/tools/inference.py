@@ -20,13 +20,13 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from .config import Config
-from .data import Example, render_prompt
-from .generation import generate
-from .checkpoint import saved_config
-from .errors import ModelError
-from .modeling import load_model_and_tokenizer
-from .outputs import read_jsonl
+from ..checkpoint import saved_config
+from ..config import Config, ModelConfig
+from ..data import Example, render_prompt
+from ..errors import ModelError
+from ..modeling import load_model_and_tokenizer
+from ..outputs import read_jsonl
+from ..sampling.generation import generate
 
 
 def config_of_checkpoint(adapter: str | Path) -> dict | None:
@@ -52,10 +52,9 @@ def check_adapter_files(adapter: str | Path) -> None:
                              f"{str(e).splitlines()[0][:120]}") from None
 
 
-def load_policy(cfg: Config, adapter: str | Path | None, device: str | None = None):
+def load_policy(m: ModelConfig, adapter: str | Path | None, device: str | None = None):
     """(model, tokenizer): the configured base model (on `device`, else model.device), with the
     checkpoint's adapter when given."""
-    m = cfg.model
     model, tok = load_model_and_tokenizer(m.name_or_path, m.dtype, device or m.device, m.trust_remote_code,
                                           m.revision)
     if adapter is not None:
@@ -78,8 +77,8 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
                    reward=None, base: bool = False) -> list[dict]:
     """`n` completions per example (greedy when not `do_sample`); scored by `reward` (a CompositeReward)
     when given. `base` runs a peft model with its adapter disabled."""
-    from .scoring import score
-    from .traces import completion_fields
+    from ..sampling.scoring import score
+    from ..traces import completion_fields
 
     cfg = cfg.for_device(next(model.parameters()).device.type)
     prompts = [render_prompt(tok, e.question, cfg.data.system_prompt, e.messages) for e in examples]

@@ -23,8 +23,9 @@ adapter version it is sent as a LoRA adapter (`add_version`, written as peft's a
 versions in use stay loaded, as TRL's async GRPO keeps max_staleness + 1). The synchronous loop keeps the
 merged sync: vLLM's LoRA path was 5x slower than a merged sync on the CPU in issue #24's measurement.
 
-Deliberately left out: server mode on separate GPUs (docs/vllm.md has the plan), sharded (FSDP2) models
-and sharded generation, and engines that are not in this process.
+Deliberately left out: vLLM as a server on GPUs or machines of its own (docs/vllm.md has the plan; the
+engine lives in the training process or in a fixed lag's worker beside it), sharded (FSDP2) models and
+sharded generation.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..modeling import base_model, merged_adapter
 from .generation import Generation, eos_ids
-from .modeling import base_model, merged_adapter
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config, RolloutConfig
 
 _SET_NUM_THREADS = torch.set_num_threads  # (vLLM's CPU worker replaces it with a no-op; kept before that)
-INSTALL_HINT = "pip install 'docuchat-rl[vllm]' (on a CPU-only machine: see README, vLLM on the CPU)"
+INSTALL_HINT = "pip install 'docuchat-rl[vllm]' (on a CPU-only machine: see docs/vllm.md)"
 
 
 def import_vllm():
@@ -55,7 +56,7 @@ def import_vllm():
     try:
         import vllm
     except ImportError as e:
-        from .errors import ModelError
+        from ..errors import ModelError
 
         raise ModelError(f"rollout.engine vllm needs vLLM, which is not installed ({e}); {INSTALL_HINT}") from None
     return vllm
@@ -73,7 +74,7 @@ class EngineSpec:
     adapter_config: str | None = None  # peft's adapter_config.json: serve adapter versions as LoRA (else: merged syncs)
 
 
-def engine_spec(cfg: Config, model, tokenizer, max_prompt_tokens: int, lora: bool = False) -> EngineSpec:
+def engine_spec(rollout: RolloutConfig, model, tokenizer, max_prompt_tokens: int, lora: bool = False) -> EngineSpec:
     """The EngineSpec of the policy `model`; `lora`: the adapter versions are served as LoRA adapters."""
     import json
 
@@ -85,8 +86,8 @@ def engine_spec(cfg: Config, model, tokenizer, max_prompt_tokens: int, lora: boo
         fields = model.peft_config["default"].to_dict()
         config = json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in fields.items()}, default=str)
     return EngineSpec(dtype, eos_ids(model, tokenizer),
-                      min(max_prompt_tokens + cfg.rollout.max_new_tokens, _positions(model)),
-                      cfg.rollout.vllm.enforce_eager or device.type == "cpu", config)
+                      min(max_prompt_tokens + rollout.max_new_tokens, _positions(model)),
+                      rollout.vllm.enforce_eager or device.type == "cpu", config)
 
 
 class VLLMEngine:

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .distributed import no_reduce
+from ..distributed import no_reduce
+from ..modeling import warpers
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -57,14 +58,12 @@ FILTERED = -1e30  # a removed token's logit on the trainer's side: its exp() is 
 
 def kept_floor(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor | None:
     """The smallest logit the sampler's top-k / top-p keeps in each row, by the sampler's own warpers
-    (transformers' TopK/TopPLogitsWarper, `generation.warpers`) on the temperature-scaled logits; None when
+    (transformers' TopK/TopPLogitsWarper, `modeling.warpers`) on the temperature-scaled logits; None when
     neither truncates. z [n, V] -> [n]. The sampler draws from that truncated, renormalised distribution
     (and vLLM reports it, `processed_logprobs`), so the trainer scores the same one: scored over the full
     softmax, every ratio and mismatch against the sampler would carry log(kept mass), a bias, not noise."""
     if top_k <= 0 and top_p >= 1.0:
         return None
-    from .generation import warpers
-
     kept = z
     for warp in warpers(1.0, top_k, top_p):
         kept = warp(None, kept)  # [n, V], removed at -inf

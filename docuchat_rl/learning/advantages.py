@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .distributed import no_reduce
+from ..distributed import no_reduce
 
 
 def group_advantages(rewards: torch.Tensor, group: torch.Tensor, scale: str, eps: float = 1e-4,

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .outputs import read_jsonl
-from .traces import columns
+from ..outputs import read_jsonl
+from ..traces import columns
 
 BASE_COLUMNS = columns()  # trace field -> DuckDB type, from the one trace definition
 

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 from rewards import CompositeReward
 from rewards.composite import BatchResult
 
-from .data import Example, reward_inputs
+from ..data import Example, reward_inputs
 
 if TYPE_CHECKING:
-    from .config import RewardsConfig
+    from ..config import RewardsConfig
     from .generation import Generation
 
 

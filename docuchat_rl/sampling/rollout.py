@@ -8,9 +8,9 @@ groups, as tensors) and the trace records are made, so the two can never disagre
 
 Completions are scored by `scoring.score`, as in evaluation; trace records are built by `traces.py`.
 
-Deliberately left out: asynchronous or off-policy rollouts (the sampler runs with the current adapter,
-between updates) and external engines; an engine must return what `generation.Generation` holds,
-the sampler's per-token log-probs included.
+Deliberately left out: multi-turn rollouts (tool calls, environments: a completion is one assistant turn)
+and engines outside the trainer's processes (a vLLM server); an engine must return what
+`generation.Generation` holds, the sampler's per-token log-probs included.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from rewards import CompositeReward
 from rewards.composite import RewardRecord
 
-from .batch import Batch, build_batch
-from .config import RolloutConfig
-from .data import Example, PromptSampler
-from .distributed import Dist
+from ..config import RolloutConfig
+from ..data import Example, PromptSampler
+from ..distributed import Dist
+from ..learning.batch import Batch, build_batch
+from ..modeling import merged_adapter
+from ..traces import TraceRecord, completion_fields
 from .generation import Generation, generate, row_seed
-from .modeling import merged_adapter
 from .scoring import score
-from .traces import TraceRecord, completion_fields
 
 
 class Timer:

@@ -32,12 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoint import list_checkpoints, saved_config, verify_checkpoint
-from .config import Config, config_from_dict
-from .data import DataError, Example
-from .errors import ReplayError
-from .outputs import read_jsonl
-from .traces import library_versions, mistyped
+from ..checkpoint import list_checkpoints, saved_config, verify_checkpoint
+from ..config import Config, config_from_dict
+from ..data import DataError, Example
+from ..errors import ReplayError
+from ..outputs import read_jsonl
+from ..traces import library_versions, mistyped
 
 
 def _where(t: dict) -> str:
@@ -156,10 +156,9 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
     """Sample each traced completion again with the policy that sampled it (see the module docstring)."""
     import torch
 
-    from .batch import build_batch
-    from .forward import policy_forward
-    from .rollout import Timer
-    from .trainer import Trainer
+    from ..learning.batch import build_batch
+    from ..learning.forward import policy_forward
+    from ..trainer import Trainer
 
     run_dir = Path(run_dir)
     raw = run_config(run_dir)
@@ -198,7 +197,7 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
                 + (f", {todo} step{'s' * (todo != 1)} to run first" if todo else ""))
             if todo:
                 trainer.train(stop_after=target)
-            rollout = trainer.resample(Timer())  # step `step` sampled and scored again, as in training
+            rollout = _resample(trainer)  # step `step` sampled and scored again, as in training
             traced = {t.get("adapter_sha256") for t in group} - {None}
             if traced and traced != {rollout.adapter_sha256}:
                 raise ReplayError(f"the rebuilt policy of step {rollout.policy_version} has adapter "
@@ -219,7 +218,7 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
                 if j is not None and j < len(old) and j < len(c.ids):
                     r = cfg.rollout  # (the traced token under the policy that sampled, as the sampler scores)
                     batch = build_batch([c.prompt_ids], [old], [0.0], [0], tok.pad_token_id)
-                    with torch.no_grad(), trainer.sampling_policy(step):
+                    with torch.no_grad(), trainer.policy.holding(step):
                         lp = policy_forward(trainer.learner.model, batch.to(trainer.dist.device),
                                             temperature=r.temperature, top_k=r.top_k, top_p=r.top_p).logps
                     traced_lp, new_lp = float(lp[0, j]), float(c.sampler_logps[j])
@@ -232,6 +231,19 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
             trainer.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _resample(trainer):
+    """The trainer's next step sampled and scored again, as its loop does it, with the random draws and the
+    data position put back after: the loop goes on as if it never ran."""
+    from ..preemption import RandomState
+    from ..sampling.rollout import Timer
+
+    rng, data = RandomState.capture(), trainer.collector.sampler.state()
+    try:
+        return trainer.collect(Timer())
+    finally:
+        trainer.rewind(rng, data)
 
 
 # ------------------------------------------------------------------------------------------------ rescore
@@ -252,11 +264,11 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
     config), step by step as in training; recompute GRPO-style group advantages from the new totals."""
     from transformers import TrainerState
 
-    from .algorithms import ActorCritic, get_algorithm_class
-    from .data import load_split
-    from .generation import Generation
-    from .rollout import Completion, Rollout
-    from .scoring import build_reward, score
+    from ..data import load_split
+    from ..learning.algorithms import ActorCritic, get_algorithm_class
+    from ..sampling.generation import Generation
+    from ..sampling.rollout import Completion, Rollout
+    from ..sampling.scoring import build_reward, score
 
     run_dir = Path(run_dir)
     path = run_dir / "traces.jsonl" if run_dir.is_dir() else run_dir

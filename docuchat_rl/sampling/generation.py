@@ -23,8 +23,9 @@ Two engines, the same contract:
   linear attention) keep a growing cache, repeated per sample.
 - `hf`: `transformers.generate`, for anything the fast loop does not cover.
 
-Deliberately left out: vLLM/SGLang engines, speculative decoding, continuous batching, compiled decode
-steps (compilation takes longer than a whole run of the embedded default on a CPU).
+Deliberately left out: SGLang, speculative decoding, continuous batching, and compiled decode steps or CUDA
+graphs (compilation takes longer than a whole run of the embedded default on a CPU). vLLM is an engine of
+its own (vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..modeling import base_model, cache_of, in_compute_context, position_ids, warpers, with_cache
 from .grouped_decode import GroupedSteps, additive_mask, plain_full_attention, supports
-from .modeling import base_model, cache_of, in_compute_context, with_cache
-
 
 DONE_CHECK_EVERY = 8  # the decode loop asks whether every row has finished every this many tokens
 
@@ -73,21 +73,6 @@ def eos_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
-
-
-def warpers(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> list:
-    """transformers' own temperature, top-k and top-p processors, in `generate`'s order; exactly the
-    ones the config names (a model's generation_config never adds any)."""
-    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    out = []
-    if temperature != 1.0:
-        out.append(TemperatureLogitsWarper(temperature))
-    if top_k > 0:
-        out.append(TopKLogitsWarper(top_k))
-    if top_p < 1.0:
-        out.append(TopPLogitsWarper(top_p))
-    return out
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -232,8 +217,6 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
     and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
     while any process still has a row to finish. `grouped`: decode with `grouped_decode.GroupedSteps`
     where the model is one it covers."""
-    from .forward import position_ids
-
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=True, logits_to_keep=1)
     kind = GroupedSteps if grouped and lockstep is None and supports(model, cache_of(out)) else _ModelSteps

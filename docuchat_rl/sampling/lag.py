@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import TrainingError
+from ..errors import TrainingError
 
 FOLDER = "lagged"
 LOAD_ALLOWANCE_S = 600.0  # the most a worker may take to load the model before its first answer
@@ -69,7 +69,7 @@ class LaggedPolicies:
 
     def digest(self, version: int) -> str | None:
         """The adapter digest of a kept version (modeling.state_digest: the same as the model's with it in)."""
-        from .modeling import state_digest
+        from ..modeling import state_digest
 
         return state_digest(self.versions[version])
 
@@ -111,6 +111,39 @@ class LaggedPolicies:
         if missing:
             raise ValueError(f"{Path(folder).name} lacks the adapter versions {missing} that rollout.async_lag "
                              f"{self.lag} samples the next steps with")
+
+
+class SamplingPolicy:
+    """The policy that samples each step, as the loop sees it: the learner's current adapter (synchronous), or
+    under rollout.async_lag the kept version after step t - 1 - k (`LaggedPolicies`), sampled by the learner's
+    model with that version swapped in or by the worker (`Ahead`) with its own copy."""
+
+    def __init__(self, model, lagged: LaggedPolicies | None = None, ahead: Ahead | None = None):
+        self.model, self.lagged, self.ahead = model, lagged, ahead
+
+    def of(self, step: int) -> tuple[int, str | None]:
+        """(version, adapter digest) of the policy that samples `step`: the adapter after step `version`."""
+        if self.lagged:
+            version = self.lagged.version_for(step)
+            return version, self.lagged.digest(version)
+        from ..modeling import adapter_digest
+
+        return step - 1, adapter_digest(self.model)
+
+    def holding(self, step: int):
+        """A context in which the learner's model holds the policy that samples `step` (its weights put back
+        after)."""
+        return self.lagged.active(self.model, self.lagged.version_for(step)) if self.lagged else contextlib.nullcontext()
+
+    def updated(self, step: int) -> dict[str, float]:
+        """After step `step`'s update: keep the new version, hand it to the worker (which then samples step
+        step + 1 + k); -> the step's `async/lag` metric (how many steps its sampling policy was behind)."""
+        if not self.lagged:
+            return {}
+        self.lagged.record(step, self.model)
+        if self.ahead is not None:
+            self.ahead.after_update(step)
+        return {"async/lag": step - 1 - self.lagged.version_for(step)}
 
 
 class Ahead:
@@ -233,7 +266,7 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
 
     import safetensors.torch
 
-    from .config import config_from_dict
+    from ..config import config_from_dict
 
     try:  # die with the learner, even a kill -9 of it
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -280,8 +313,8 @@ class _HFSampler:
     LoRA weights for the step it samples."""
 
     def __init__(self, cfg, dtype: str, device: str):
-        from .fused_lora import fuse_lora
-        from .modeling import build_lora, disable_dropout, load_model_and_tokenizer
+        from ..learning.fused_lora import fuse_lora
+        from ..modeling import build_lora, disable_dropout, load_model_and_tokenizer
 
         model, self.tok = load_model_and_tokenizer(cfg.model.name_or_path, dtype, device,
                                                    cfg.model.trust_remote_code, cfg.model.revision)

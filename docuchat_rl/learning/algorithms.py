@@ -28,17 +28,30 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 
+from ..distributed import no_reduce
 from .advantages import decoupled_advantages, gae, group_advantages, nstep_returns, whiten
 from .algorithm_configs import ALGORITHMS, A2CConfig, GRPOConfig, PPOConfig
 from .batch import Batch
-from .distributed import no_reduce
 from .forward import PolicyOutput
-from .losses import (Normalisers, aggregate, cispo_surrogate, clipped_surrogate, explained_variance, high_entropy_mask,
-                     k3_kl, log_ratio, masked_mean, off_policy_keep, sampler_weights, sapo_surrogate, value_loss,
-                     vespo_weights)
+from .losses import (
+    Normalisers,
+    aggregate,
+    cispo_surrogate,
+    clipped_surrogate,
+    explained_variance,
+    high_entropy_mask,
+    k3_kl,
+    log_ratio,
+    masked_mean,
+    off_policy_keep,
+    sampler_weights,
+    sapo_surrogate,
+    value_loss,
+    vespo_weights,
+)
 
 if TYPE_CHECKING:
-    from .config import Config
+    from ..config import Config
 
 MISMATCH_THRESHOLD = 0.01  # nats: `sampler/mismatch_share` counts tokens whose |log pi_train - log pi_sampler| exceeds it
 
