@@ -213,7 +213,8 @@ def cmd_train(args, on_phase=None) -> int:
                       "run the same command to start again", file=sys.stderr, flush=True)
         return 2 if stopped is None else 128 + int(stopped)
     finally:
-        trainer.close()
+        with at_once(got):  # (a signal while the run's files and worker close: one line, not a silent kill)
+            trainer.close()
     if trainer.step < cfg.run.steps:  # --stop-after: no "after" evaluation of an unfinished run
         if trainer.is_main:
             print(f"docuchat-rl: stopped after step {trainer.step} of {cfg.run.steps}; go on with: {resume}",

@@ -169,7 +169,7 @@ class RolloutConfig(Section):
     async_timeout_s: float = Field(600.0, gt=0)
     """With a worker: a step's samples that do not arrive within this many seconds (counted once the worker has loaded the model) end the run in one line naming the step and adapter version."""
     correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
-    """Importance-weight the loss by pi_train/pi_sampler per token or per sequence, clamped (truncate) or zeroed (mask) outside [correction_min, correction_max]."""
+    """Weight the loss by pi_prox/pi_sampler per token or sequence, clamped (truncate) or zeroed (mask) outside [correction_min, correction_max]; under async_lag none means token_truncate."""
     correction_min: float = Field(0.0, ge=0)
     """Lower bound C_min of the sampler correction's ratio."""
     correction_max: float = Field(2.0, gt=0)

@@ -311,6 +311,21 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         spec = engine_spec(cfg.rollout, model, tokenizer, cfg.data.max_prompt_tokens, lora=worker)
         if not worker:
             vllm = VLLMEngine(cfg, tokenizer, spec, processes=dist.world)
+    try:
+        return _assemble(cfg, out_dir, place, resume_dir, examples, lock, model, tokenizer, algo, params, optimizer,
+                         scheduler, prompt_texts, reward, rows, vllm, spec)
+    except BaseException:  # (a failure after the engine started: it is closed, not left holding its memory)
+        if vllm is not None:
+            vllm.close()
+        raise
+
+
+def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example],
+              lock: RunLock | None, model, tokenizer, algo: Algorithm, params, optimizer, scheduler,
+              prompt_texts: list[str], reward: CompositeReward, rows: dict, vllm, spec) -> Run:
+    """The run's state (resumed or fresh), its learner, collector, files and wandb; a fixed lag's worker is
+    started last, when nothing after it can fail and leave it running."""
+    dist = place.dist
     state = TrainerState(step=0, run_id=dist.gather([uuid.uuid4().hex[:12]])[0])  # the main process's id
     if resume_dir:
         state = load_training_state(resume_dir, model=model, critic=algo.critic, accelerator=place.accelerator,
@@ -339,16 +354,23 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
                       tokenizer.pad_token_id, chunk, bool(place.sharded_layers), state.nonfinite_streak)
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
                           place.lockstep, max_steps=cfg.run.steps, vllm=vllm)
-    if lagged is not None and cfg.rollout.async_worker_threads:  # the worker samples ahead (lag.Ahead)
-        collector.ahead = Ahead(cfg, place.dtype, str(dist.device), collector, lagged, state.step, spec)
+    outputs = Outputs.open(out_dir, dist.is_main, state.offsets)
     wandb_run = None
-    if cfg.logging.wandb and dist.is_main:
-        import wandb
+    try:
+        if cfg.logging.wandb and dist.is_main:
+            import wandb
 
-        wandb_run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode, dir=str(out_dir),
-                               config=cfg.to_dict(), id=state.run_id, resume="allow")
-    return Run(cfg, out_dir, place, tokenizer, learner, collector, reward, examples, state,
-               Outputs.open(out_dir, dist.is_main, state.offsets), wandb_run, lock, lagged)
+            wandb_run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb_mode,
+                                   dir=str(out_dir), config=cfg.to_dict(), id=state.run_id, resume="allow")
+        if lagged is not None and cfg.rollout.async_worker_threads:  # the worker samples ahead (lag.Ahead)
+            collector.ahead = Ahead(cfg, place.dtype, str(dist.device), collector, lagged, state.step, spec)
+    except BaseException:
+        outputs.close()
+        if wandb_run is not None:
+            wandb_run.finish()
+        raise
+    return Run(cfg, out_dir, place, tokenizer, learner, collector, reward, examples, state, outputs, wandb_run,
+               lock, lagged)
 
 
 def _check_same_rows(train: str, resume_dir: Path, rows: dict) -> None:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from docuchat_rl.config import load_config
-from docuchat_rl.learning.algorithms import GRPO, MISMATCH_THRESHOLD, algorithm_names, get_algorithm_class
+from docuchat_rl.learning.algorithms import GRPO, algorithm_names, get_algorithm_class
 from docuchat_rl.learning.batch import build_batch
 from docuchat_rl.learning.forward import PolicyOutput
-from docuchat_rl.learning.losses import Normalisers, sampler_weights
+from docuchat_rl.learning.losses import MISMATCH_THRESHOLD, Normalisers, behaviour_correction, sampler_weights
 
 
 def _batch(rewards, group, sampler_logps, valid=None):
@@ -120,21 +120,50 @@ def test_sampler_weights_against_a_hand_computation(mode):
     assert torch.equal(capped, out & (mask > 0))
 
 
-def test_policy_loss_logs_the_sampler_mismatch_and_weights_tokens_with_correction():
+def test_the_behaviour_correction_logs_the_mismatch_and_the_loss_weights_tokens_with_it():
     base = ["rollout.num_generations=2", "rollout.prompts_per_step=1"]
     batch = _batch([1.0, 0.0], [0, 0], [[-1.0, -2.0], [-0.5, -0.2]])
     batch.advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
-    trainer = [[-1.0, -2.5], [-0.5, -0.2]]  # token (0, 1): the sampler thought it 0.5 nats likelier
-    _, plain = GRPO(load_config(None, base)).policy_loss(_out(trainer), batch, _norm(batch))
-    assert plain["sampler/mismatch_max"] == pytest.approx(0.5)
+    trainer = torch.tensor([[-1.0, -2.5], [-0.5, -0.2]])  # token (0, 1): the sampler thought it 0.5 nats likelier
+    none, plain = behaviour_correction(trainer, batch.sampler_logps, batch.completion_mask, None, 0.0, 2.0)
+    assert none is None and plain["sampler/mismatch_max"] == pytest.approx(0.5)
     assert plain["sampler/mismatch_mean"] == pytest.approx(0.5 / 4)
     assert plain["sampler/mismatch_share"] == pytest.approx(1 / 4) and 0.5 > MISMATCH_THRESHOLD
-    assert "sampler/capped_share" not in plain
-    cfg = load_config(None, base + ["rollout.correction=token_mask", "rollout.correction_min=0.7"])
-    loss, corrected = GRPO(cfg).policy_loss(_out(trainer), batch, _norm(batch))
+    assert "sampler/capped_share" not in plain and "async/kl_sampler_learner" not in plain
+    batch.behaviour_weights, corrected = behaviour_correction(trainer, batch.sampler_logps, batch.completion_mask,
+                                                              "token_mask", 0.7, 2.0)
     assert corrected["sampler/capped_share"] == pytest.approx(1 / 4)  # exp(-0.5) = 0.61 < 0.7: masked
+    loss, _ = GRPO(load_config(None, base)).policy_loss(_out(trainer.tolist()), batch, _norm(batch))
     # at mu = 1 the ratio is 1, so the loss is -mean over rows of the mean of A * w over tokens
-    assert float(loss) == pytest.approx(-((1.0 + 0.0) / 2 + (-1.0 - 1.0) / 2) / 2, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(-((1.0 + 0.0) / 2 + (-1.0 - 1.0) / 2) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "a2c"])
+def test_a_lagged_token_is_weighted_once_by_the_behaviour_ratio(algorithm):
+    """A token the learner finds 1.105 times likelier than the sampler did: its gradient coefficient is 1.105
+    x the uncorrected one under a fixed lag with rollout.correction, not 1.221 (the weight used to come on
+    top of a ratio already taken against the sampler); A2C, which has no ratio, is corrected the same way."""
+    sets = [f"algorithm.name={algorithm}", "rollout.num_generations=2", "rollout.prompts_per_step=1",
+            "rollout.async_lag=1", "rollout.correction=token_truncate"]
+    cfg = load_config(None, sets)
+    algo = get_algorithm_class(algorithm)(cfg, 8)
+    learner_now = [[-1.0, -2.0], [-0.5, -0.2]]
+    batch = _batch([1.0, 0.0], [0, 0], [[-1.0 - math.log(1.105), -2.0], [-0.5, -0.2]])  # the sampler's
+    batch.advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
+    if algo.critic is not None:
+        batch.values = batch.returns = torch.zeros(2, 2)
+    grads = {}
+    for corrected in (False, True):
+        out = PolicyOutput(torch.tensor(learner_now, requires_grad=True), None, torch.zeros(2, 2, 8))
+        weights, m = behaviour_correction(out.logps.detach(), batch.sampler_logps, batch.completion_mask,
+                                          "token_truncate", 0.0, 2.0, current_logps=out.logps)
+        batch.behaviour_weights = weights if corrected else None
+        loss, _ = (algo.policy_loss if algorithm != "a2c" else algo.loss)(out, batch, _norm(batch))
+        loss.backward()
+        grads[corrected] = out.logps.grad.clone()
+    assert float(grads[True][0, 0] / grads[False][0, 0]) == pytest.approx(1.105, rel=1e-5)
+    assert float(grads[True][1, 1] / grads[False][1, 1]) == pytest.approx(1.0, rel=1e-6)
+    assert m["async/kl_sampler_learner"] > 0
 
 
 def test_actor_critic_value_statistics_against_a_hand_computation():

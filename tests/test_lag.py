@@ -12,6 +12,7 @@ from docuchat_rl.data import render_prompt
 from docuchat_rl.modeling import merged_adapter
 from docuchat_rl.outputs import read_jsonl
 from docuchat_rl.sampling.generation import generate
+from docuchat_rl.sampling.rollout import Timer
 from docuchat_rl.tools.inference import load_policy
 from docuchat_rl.trainer import Trainer
 
@@ -69,9 +70,13 @@ def test_each_step_is_sampled_by_the_adapter_of_step_t_minus_1_minus_lag(tmp_pat
     assert history[0]["async/kl_sampler_learner"] < 1e-8  # step 1: the sampler is the learner
     assert min(m["async/kl_sampler_learner"] for m in history[2:]) > 1e-5  # behind: the gap the ratio sees
 
+    # decoupled PPO: the ratio is taken against the proximal policy (the learner at the step's start: with one
+    # update per rollout the policy itself, ratio 1), so even a tight clip never bites; the lag enters through
+    # the behaviour weight pi_prox / pi_sampler, 1 while they agree, away from 1 once the learner moved on
     tight = _run(tmp_path / "tight", "algorithm.epsilon_low=0.001", "algorithm.epsilon_high=0.001")
-    clipped = [m["clip_low"] + m["clip_high"] for m in tight]  # the ratio is pi_learner / pi_sampler:
-    assert clipped[0] == 0 and min(clipped[2:]) > 0  # 1 while they agree, clipped once the learner moved on
+    assert all(m["clip_low"] + m["clip_high"] == 0 for m in tight)
+    assert tight[0]["sampler/weight_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert min(abs(m["sampler/weight_mean"] - 1.0) + m["sampler/capped_share"] for m in tight[2:]) > 1e-5
 
 
 @pytest.mark.slow
@@ -90,14 +95,24 @@ def test_a_lagged_run_stopped_and_resumed_equals_the_uninterrupted_one(tmp_path)
         assert untimed(read_jsonl(cut / name)) == untimed(read_jsonl(full / name)), name
 
 
-def test_a_fixed_lag_takes_the_old_log_probs_from_the_sampler_with_no_forward_for_them(tmp_path):
-    """Several updates per rollout need old log-probs; under a fixed lag they are the sampler's (the ratio's
-    old side), so the no-grad pass that would compute the learner's is not run (its result was discarded)."""
-    from docuchat_rl.learning.algorithms import get_algorithm_class
-
-    for lag, forward in ((0, True), (1, False)):
-        cfg = cfg_for(tmp_path, "algorithm.num_iterations=2", f"rollout.async_lag={lag}").for_device("cpu")
-        assert get_algorithm_class("grpo")(cfg).needs().old_logps is forward, lag
+def test_under_a_fixed_lag_the_ratio_is_clipped_against_the_proximal_policy_in_eval_mode(tmp_path):
+    """Decoupled PPO: with several updates per rollout the old log-probs are the learner's at the step's start
+    (a forward, in eval mode: LoRA dropout off, whichever process sampled), not the sampler's; the sampler's
+    enter only through the behaviour weight. They used to be the sampler's, and the worker path ran this pass
+    in train mode."""
+    t = Trainer(cfg_for(tmp_path, *LAG, "algorithm.num_iterations=2", "lora.dropout=0.5", "run.steps=3"))
+    t.train(stop_after=2)  # (the sampling policy now trails the learner by one update)
+    rollout = t.collect(Timer())
+    batch = t.prepare(rollout)
+    t.learner.model.train()  # (as the previous update leaves it)
+    t.learner.score_rollout(batch)
+    first = batch.old_logps.clone()
+    t.learner.score_rollout(batch)
+    m = batch.completion_mask
+    assert torch.equal(first, batch.old_logps)  # eval mode: the same numbers twice under LoRA dropout 0.5
+    gap = ((first - batch.sampler_logps).abs() * m).sum() / m.sum()
+    assert gap > 1e-4  # the learner's own log-probs, one update ahead of the sampler's
+    t.close()
 
 
 def test_what_a_fixed_lag_does_not_support_yet_is_refused_in_one_line(tmp_path):
@@ -165,16 +180,28 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
     lines = [t for t in b if t["step"] in (2, 4)][::5]
     assert all(r.same for r in replay(full, lines, progress=False, say=lambda s: None))
 
-    for side in ("worker", "learner"):
+    for side in ("worker", "learner", "group"):  # (group: SIGTERM to the whole process group, as Slurm sends it)
         cut = tmp_path / f"kill-{side}"
-        proc = subprocess.Popen(_cli(cut, *WORKER), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(_cli(cut, *WORKER), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
         worker = _worker_pid(proc.pid)
-        while not (cut / "checkpoint-2").exists() and proc.poll() is None:
+        if side == "group":  # (first to the worker alone: it ignores both, as a group's signal reaches it too)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                os.kill(worker, sig)
+        while not (cut / ("checkpoint-1" if side == "group" else "checkpoint-2")).exists() and proc.poll() is None:
             time.sleep(0.05)
-        os.kill(worker if side == "worker" else proc.pid, signal.SIGKILL)
+        if side == "group":
+            assert open(f"/proc/{worker}/stat", "rb").read().split()[2] not in (b"Z", b"X"), "the worker died"
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            os.kill(worker if side == "worker" else proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         err = proc.stderr.read().decode()
-        if side == "worker":
+        if side == "group":  # the worker ignores it: the learner stops at its safe point with a checkpoint
+            line = err.strip().splitlines()[-1]
+            assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-1500:]
+            assert line.startswith("docuchat-rl: stopped by SIGTERM after step ") and "holds it; resume with" in line
+        elif side == "worker":
             line = err.strip().splitlines()[-1]
             assert proc.returncode == 2 and line.startswith("docuchat-rl: error: the sampler worker (pid ") \
                 and "died (signal 9) while sampling step" in line and "Traceback" not in err, err[-1500:]

@@ -6,7 +6,7 @@ import pytest
 from docuchat_rl.config import load_config
 from docuchat_rl.distributed import Dist
 from docuchat_rl.learning.algorithms import get_algorithm_class
-from docuchat_rl.learning.learner import MetricAccumulator
+from docuchat_rl.learning.learner import MetricAccumulator, rollout_passes
 
 
 def test_metrics_are_token_weighted_means_unless_the_algorithm_names_a_max():
@@ -36,8 +36,12 @@ def test_a_metric_named_max_is_averaged_unless_declared():
 ])
 def test_each_algorithm_asks_for_the_passes_it_reads(sets, old, ref, values):
     cfg = load_config(None, sets)
-    needs = get_algorithm_class(cfg.algorithm.name)(cfg, 8).needs()
+    updates = cfg.algorithm.num_iterations * (cfg.rollout.batch_rows // cfg.minibatch_rows)
+    needs = rollout_passes(get_algorithm_class(cfg.algorithm.name)(cfg, 8), updates)
     assert (needs.old_logps, needs.ref_logps, needs.values) == (old, ref, values)
+    lagged = rollout_passes(get_algorithm_class(cfg.algorithm.name)(load_config(None, [*sets, "rollout.async_lag=1"]), 8),
+                            updates)
+    assert lagged == needs  # (a fixed lag adds no pass: the proximal policy is the learner's, as without one)
 
 
 def test_a_step_with_activation_checkpointing_equals_one_without(tmp_path):

@@ -14,9 +14,11 @@ The trainer calls every algorithm the same way and never looks at its name:
 
 `reduce` sums a tensor over the processes of a data-parallel run (the identity on one process).
 
-Every policy loss also compares the trainer's log-probs of the sampled tokens with the sampler's own
-(`sampler/*` metrics) and, with `rollout.correction`, weights each token by the truncated or masked
-ratio pi_train / pi_sampler (as TRL's vllm_importance_sampling_* and verl's rollout correction).
+Every policy loss takes the ratio against the proximal policy (`batch.old_logps`: the learner at the
+update's start; the policy itself, detached, for one update per rollout) and multiplies each token by
+`batch.behaviour_weights` when the learner set them: the truncated or masked ratio pi_prox / pi_sampler
+(`rollout.correction`, as TRL's vllm_importance_sampling_* and verl's rollout correction; under
+`rollout.async_lag`, decoupled PPO's behaviour weight). An algorithm reads no rollout setting.
 
 Deliberately left out: algorithms that need a separate reward model or a second policy copy in memory.
 """
@@ -44,7 +46,6 @@ from .losses import (
     log_ratio,
     masked_mean,
     off_policy_keep,
-    sampler_weights,
     sapo_surrogate,
     value_loss,
     vespo_weights,
@@ -53,7 +54,6 @@ from .losses import (
 if TYPE_CHECKING:
     from ..config import Config
 
-MISMATCH_THRESHOLD = 0.01  # nats: `sampler/mismatch_share` counts tokens whose |log pi_train - log pi_sampler| exceeds it
 
 
 def register_algorithm(config_type: type):
@@ -89,7 +89,7 @@ def algorithm_names() -> list[str]:
 class RolloutNeeds:
     """What an algorithm needs computed over the rollout batch before its update (no-grad passes)."""
 
-    old_logps: bool  # the policy's log-probs at rollout time (ratios over several updates, KL in the reward)
+    old_logps: bool  # the policy's log-probs at the update's start (the proximal policy; a KL in the reward)
     ref_logps: bool  # the reference (adapter-disabled) model's log-probs, for a KL term
     values: bool  # the critic's values at rollout time
 
@@ -118,14 +118,11 @@ class Algorithm:
         return self.cfg.algorithm.ent_coef > 0
 
     def needs(self) -> RolloutNeeds:
-        """The no-grad passes before the update: old log-probs when the policy moves before the last
-        minibatch is scored (several updates per rollout) or the reward reads them, unless rollout.async_lag
-        gives them as the sampler's (the learner's score_rollout), reference log-probs when beta > 0, values
-        when there is a critic."""
-        a = self.cfg.algorithm
-        several = a.num_iterations > 1 or self.cfg.minibatch_rows < self.cfg.rollout.batch_rows
-        return RolloutNeeds(old_logps=(several or self.needs_rollout_logps) and not self.cfg.rollout.async_lag,
-                            ref_logps=a.beta > 0, values=self.critic is not None)
+        """The no-grad passes the algorithm itself reads: the rollout-time log-probs when its reward reads
+        them (a KL in the reward), reference log-probs when beta > 0, values when there is a critic. (The
+        learner adds the proximal log-probs when the policy moves before the last minibatch is scored.)"""
+        return RolloutNeeds(old_logps=self.needs_rollout_logps, ref_logps=self.cfg.algorithm.beta > 0,
+                            values=self.critic is not None)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
         """The critic's value of each position: hidden states [R, T, H] -> [R, T]."""
@@ -140,27 +137,6 @@ class Algorithm:
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers) -> tuple[torch.Tensor, dict[str, float]]:
         """The micro-batch's loss (normalised by the minibatch's `norm`) and its metrics."""
         raise NotImplementedError
-
-    def sampler_correction(self, trainer_logps: torch.Tensor, mb: Batch) -> tuple[torch.Tensor | None, dict]:
-        """The sampler/trainer mismatch metrics and, with `rollout.correction`, the importance weights
-        [r, T] (None when off). `trainer_logps` are the trainer's log-probs under the rollout policy (under
-        `rollout.async_lag`, the learner's now: the gap the lag opened, with KL(sampler || learner), k3).
-        Metrics are 0-dim tensors (the learner reads them back once per step)."""
-        r, mask = self.cfg.rollout, mb.completion_mask
-        diff = (trainer_logps.detach() - mb.sampler_logps).abs() * mask  # [r, T]
-        metrics = {"sampler/mismatch_mean": masked_mean(diff, mask).detach(),
-                   "sampler/mismatch_max": diff.max() if diff.numel() else diff.new_zeros(()),
-                   "sampler/mismatch_share": masked_mean((diff > MISMATCH_THRESHOLD).float(), mask).detach()}
-        if r.async_lag:
-            metrics["async/kl_sampler_learner"] = masked_mean(k3_kl(mb.sampler_logps, trainer_logps.detach()),
-                                                              mask).detach()
-        if r.correction == "none":
-            return None, metrics
-        w, capped = sampler_weights(trainer_logps, mb.sampler_logps, mask, r.correction, r.correction_min,
-                                    r.correction_max)
-        metrics["sampler/capped_share"] = masked_mean(capped.float(), mask).detach()
-        metrics["sampler/weight_mean"] = masked_mean(w, mask).detach()
-        return w, metrics
 
     def trace_fields(self, batch: Batch) -> dict[str, list]:
         """Per-row values for the traces: the advantage (mean over the row's tokens)."""
@@ -188,9 +164,9 @@ class Algorithm:
         old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)
         per_token, low, high = clipped_surrogate(log_rho, mb.advantages, a.epsilon_low, a.epsilon_high)
-        weights, metrics = self.sampler_correction(out.logps if self.cfg.rollout.async_lag else old, mb)
-        if weights is not None:
-            per_token = per_token * weights
+        metrics: dict = {}
+        if mb.behaviour_weights is not None:  # (pi_prox / pi_sampler, from the learner)
+            per_token = per_token * mb.behaviour_weights
         per_token = self.kl_term(out, mb, per_token, metrics)
         loss = aggregate(per_token, mask, a.loss_aggregation, norm)
         with torch.no_grad():
@@ -237,7 +213,7 @@ class GRPO(Algorithm):
         a, mask, adv = self.cfg.algorithm, mb.completion_mask, mb.advantages
         old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)  # [r, T] or [r, 1]
-        weights, metrics = self.sampler_correction(out.logps if self.cfg.rollout.async_lag else old, mb)
+        weights, metrics = mb.behaviour_weights, {}  # (pi_prox / pi_sampler, from the learner)
         row_adv = (adv * mask).sum(-1, keepdim=True)  # [r, 1]: the sign of each row's advantage
         if a.surrogate == "clip":
             per_token, low, high = clipped_surrogate(log_rho, adv, a.epsilon_low, a.epsilon_high, a.delta)
@@ -389,10 +365,10 @@ class A2C(ActorCritic):
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         """-A * log pi (sampler-corrected, + KL) plus the critic's terms; no ratio."""
         a, mask = self.cfg.algorithm, mb.completion_mask
-        weights, metrics = self.sampler_correction(out.logps, mb)
+        metrics: dict = {}
         per_token = -mb.advantages * out.logps  # [r, T]
-        if weights is not None:
-            per_token = per_token * weights
+        if mb.behaviour_weights is not None:  # (a fixed lag's samples, or rollout.correction: pi / pi_sampler)
+            per_token = per_token * mb.behaviour_weights
         policy = aggregate(self.kl_term(out, mb, per_token, metrics), mask, a.loss_aggregation, norm)
         critic, cm = self.critic_terms(out, mb, norm, None)
         metrics.update(cm)

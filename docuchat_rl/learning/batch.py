@@ -57,6 +57,8 @@ class Batch:
     ref_logps: torch.Tensor | None = None  # [R, T]
     values: torch.Tensor | None = None  # [R, T] critic estimates at rollout time
     returns: torch.Tensor | None = None  # [R, T] critic targets
+    behaviour_weights: torch.Tensor | None = None  # [R, T] pi_prox / pi_sampler, truncated or masked (the learner
+    # sets it per micro-batch under rollout.correction or a fixed lag; None: no correction)
 
     @property
     def rows(self) -> int:
@@ -82,7 +84,8 @@ class Batch:
         start = lp - max(info.prompt_lens, default=0)
         for k in ("input_ids", "attention_mask"):
             sub[k] = sub[k][:, start:lp + t]
-        for k in ("completion_mask", "sampler_logps", "advantages", "old_logps", "ref_logps", "values", "returns"):
+        for k in ("completion_mask", "sampler_logps", "advantages", "old_logps", "ref_logps", "values", "returns",
+                  "behaviour_weights"):
             if sub[k] is not None:
                 sub[k] = sub[k][:, :t]
         sub["prompt_width"], sub["info"] = lp - start, info

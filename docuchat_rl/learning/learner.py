@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -27,10 +28,10 @@ from ..config import Config
 from ..distributed import Dist
 from ..errors import TrainingError
 from ..modeling import CRITIC_ADAPTER, active_adapter
-from .algorithms import Algorithm
+from .algorithms import Algorithm, RolloutNeeds
 from .batch import Batch
 from .forward import PolicyOutput, policy_forward
-from .losses import Normalisers
+from .losses import Normalisers, behaviour_correction
 
 
 class MetricAccumulator:
@@ -70,6 +71,14 @@ class MetricAccumulator:
             top = torch.stack([self.maxima.get(k, fill(-math.inf)) for k in mkeys])  # [mkeys]
             out.update(zip(mkeys, dist.max(top).tolist()))
         return out
+
+
+def rollout_passes(algo: Algorithm, updates_per_step: int) -> RolloutNeeds:
+    """The no-grad passes before an update: what the algorithm reads, and the proximal log-probs (the policy at
+    the update's start, whose ratio the loss clips) when the policy moves before the last minibatch is scored
+    (several optimizer steps per rollout); with one the loss reads them off its own forward, detached."""
+    needs = algo.needs()
+    return replace(needs, old_logps=needs.old_logps or updates_per_step > 1)
 
 
 class Learner:
@@ -119,18 +128,21 @@ class Learner:
         return out
 
     # ---------------------------------------------------------------- the no-grad passes
+    @property
+    def needs(self) -> RolloutNeeds:
+        """The no-grad passes this learner runs before the update (`rollout_passes`)."""
+        return rollout_passes(self.algo, self.updates_per_step)
+
     def score_rollout(self, batch: Batch) -> None:
-        """Fill what the algorithm needs before its advantages and update: batch.old_logps and
-        batch.values from one forward with the adapter, batch.ref_logps from one without it. Under
-        rollout.async_lag the old log-probs are the sampler's: every ratio is taken against the policy that
-        sampled (decoupled PPO), with no forward for them."""
-        needs = self.algo.needs()
+        """Fill what the algorithm needs before its advantages and update, in eval mode (the rollout's own
+        mode, LoRA dropout off, whichever process sampled): batch.old_logps and batch.values from one forward
+        with the adapter, batch.ref_logps from one without it."""
+        needs = self.needs
+        self.model.eval()
         if needs.old_logps or needs.values:
             logps, values = self._pass(batch, values=needs.values)
             batch.old_logps = logps if needs.old_logps else None
             batch.values = values
-        if self.cfg.rollout.async_lag:
-            batch.old_logps = batch.sampler_logps
         if needs.ref_logps:
             batch.ref_logps = self._pass(batch, values=False, reference=True)[0]
 
@@ -196,7 +208,9 @@ class Learner:
         total = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
         for sub, mb in self.micro_batches(batch, rows):
             out = self.forward(mb, with_entropy=True, entropy_grad=self.algo.entropy_grad)
+            mb.behaviour_weights, behaviour = self.behaviour(out, mb)
             loss, m = self.algo.loss(out, mb, norm)
+            m.update(behaviour)
             if sub is None:  # sharded: join the other processes' forward and backward, add nothing
                 self.accelerator.backward(loss * 0.0)
                 continue
@@ -206,6 +220,17 @@ class Learner:
         if n_rows:  # (a minibatch with no rows on any process leaves every gradient None, as on one)
             dist.sum_grads(self.params)
         return float(dist.sum(total.reshape(1)))
+
+    def behaviour(self, out: PolicyOutput, mb: Batch) -> tuple[torch.Tensor | None, dict]:
+        """The sampler's side of a micro-batch (losses.behaviour_correction): the mismatch between the proximal
+        policy and the sampler, and the weights pi_prox / pi_sampler that `rollout.correction` asks for, or,
+        under a fixed lag with no correction set, decoupled PPO's truncated weight in [correction_min,
+        correction_max]; applied once, by the algorithm's loss."""
+        r = self.cfg.rollout
+        prox = mb.old_logps if mb.old_logps is not None else out.logps.detach()
+        mode = r.correction if r.correction != "none" else ("token_truncate" if r.async_lag else None)
+        return behaviour_correction(prox, mb.sampler_logps, mb.completion_mask, mode, r.correction_min,
+                                    r.correction_max, current_logps=out.logps if r.async_lag else None)
 
     def _step(self, total: float, step: int) -> float | None:
         """Clip and apply the summed gradients -> the gradient norm, or None when the loss or the norm is

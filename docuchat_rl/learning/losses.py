@@ -200,6 +200,34 @@ def sampler_weights(logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torc
     return w * mask, capped
 
 
+MISMATCH_THRESHOLD = 0.01  # nats: `sampler/mismatch_share` counts tokens whose |log pi_train - log pi_sampler| exceeds it
+
+
+def behaviour_correction(prox_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor, mode: str | None,
+                         low: float, high: float, current_logps: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """The sampler's side of an update, once: how far the proximal policy (the learner at the update's start,
+    whose ratio the loss clips) is from the policy that sampled, and the importance weights pi_prox /
+    pi_sampler (`sampler_weights` in `mode`; None: no weights). With a fixed lag this is decoupled PPO's
+    behaviour weight; synchronous, it corrects the sampler's numerics and truncation.
+
+    prox_logps, sampler_logps, mask [r, T]; `current_logps` [r, T] (a fixed lag): the learner now, for the
+    KL(sampler || learner) metric -> (weights [r, T] or None, metrics as 0-dim tensors)
+    """
+    diff = (prox_logps.detach() - sampler_logps).abs() * mask  # [r, T]
+    metrics = {"sampler/mismatch_mean": masked_mean(diff, mask).detach(),
+               "sampler/mismatch_max": diff.max() if diff.numel() else diff.new_zeros(()),
+               "sampler/mismatch_share": masked_mean((diff > MISMATCH_THRESHOLD).float(), mask).detach()}
+    if current_logps is not None:
+        metrics["async/kl_sampler_learner"] = masked_mean(k3_kl(sampler_logps, current_logps.detach()), mask).detach()
+    if mode is None:
+        return None, metrics
+    w, capped = sampler_weights(prox_logps, sampler_logps, mask, mode, low, high)
+    metrics["sampler/capped_share"] = masked_mean(capped.float(), mask).detach()
+    metrics["sampler/weight_mean"] = masked_mean(w, mask).detach()
+    return w, metrics
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum() / mask.sum().clamp(min=1.0)
 

@@ -4,12 +4,16 @@ step t - 1 - k (version v = the adapter after step v; 0 = the initial one), what
 The schedule is fixed, not "whatever the sampler has by then", so a run is reproducible and resumes
 exactly: a checkpoint of step t holds the adapter versions t - k .. t - 1 that the next steps still sample
 with (`lagged/adapter-v<N>.safetensors`; the versions before are dropped as the run goes) and the data
-position after step t's own prompts (a worker takes later steps' prompts ahead). The learner's ratio is
-taken against the sampler's own log-probs (the "old" side is the policy that sampled, decoupled PPO), so
-`num_iterations` and the clip see the real off-policy gap; the metrics give the lag (`async/lag`), the
-k3 estimate of KL(sampler || learner) per token (`async/kl_sampler_learner`) and the `sampler/mismatch_*`
-of the learner's log-probs against the sampler's; `rollout.correction` weights by the same learner/sampler
-ratio. Every trace line names the version that sampled it (`policy_version`, `adapter_sha256`).
+position after step t's own prompts (a worker takes later steps' prompts ahead). The update is decoupled
+PPO's (AReaL): the ratio is taken and clipped against the proximal policy, the learner at the step's start
+(with one update per rollout the policy itself, so the clip never bites), and each token is weighted once by
+pi_prox / pi_sampler, truncated to [rollout.correction_min, correction_max] (or as `rollout.correction`
+says): the older the sample, the more the weight corrects, while the clip keeps its meaning. A2C, which has
+no ratio, takes the same weight. The metrics give the lag (`async/lag`), the k3 estimate of KL(sampler ||
+learner) per token (`async/kl_sampler_learner`), the `sampler/mismatch_*` of the proximal policy against
+the sampler and the weights' mean and capped share. Every trace line names the version that sampled it
+(`policy_version`, `adapter_sha256`). A signal to the whole process group (Ctrl-C, Slurm) reaches the
+learner alone: the worker ignores SIGINT and SIGTERM and dies with its learner.
 
 Where the sampling runs: with `rollout.async_worker_threads: 0` in the learner's process, the version
 swapped into its model between updates (no overlap: the reference the worker is tested against); with N > 0
@@ -162,7 +166,8 @@ class Ahead:
         self.proc = ctx.Process(target=_work, name="docuchat-rl-sampler", daemon=True,
                                 args=(cfg.to_dict(), dtype, device, cfg.rollout.async_worker_threads, child,
                                       os.getpid(), spec))
-        self.proc.start()
+        with _signals_ignored():  # (the worker starts ignoring them: Python keeps an ignored SIGINT ignored)
+            self.proc.start()
         child.close()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="docuchat-rl-sampler-send", daemon=True)
@@ -215,9 +220,10 @@ class Ahead:
                 if not self.proc.is_alive():
                     code = self.proc.exitcode
                     how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                    raise TrainingError(f"the sampler worker (pid {self.proc.pid}) died ({how}) while sampling "
-                                        f"step {step} with adapter version {version}; the last checkpoint is "
-                                        "intact") from None
+                    doing = (f"sampling step {step} with adapter version {version}" if self.ready else
+                             "starting (before it had loaded the model)")
+                    raise TrainingError(f"the sampler worker (pid {self.proc.pid}) died ({how}) while {doing}; the "
+                                        "last checkpoint is intact") from None
                 if time.monotonic() > deadline:
                     raise TrainingError(f"the sampler worker (pid {self.proc.pid}) did not deliver step {step} "
                                         f"(adapter version {version}) within rollout.async_timeout_s ({limit:g} s); "
@@ -226,6 +232,8 @@ class Ahead:
             if kind == "ready":  # (loaded: the limit counts from here, not from the worker's start)
                 self.ready, deadline = True, time.monotonic() + limit
                 continue
+            if kind == "start-error":
+                raise TrainingError(f"the sampler worker (pid {self.proc.pid}) could not start: {payload}")
             if kind == "error":
                 raise TrainingError(f"the sampler worker failed on step {done} (adapter version {version}): "
                                     f"{payload}")
@@ -248,6 +256,22 @@ class Ahead:
         self.conn.close()
 
 
+@contextlib.contextmanager
+def _signals_ignored():
+    """SIGINT and SIGTERM ignored while the block starts a worker, which inherits that: a signal to the whole
+    process group (Ctrl-C in a terminal, Slurm's preemption) then reaches the learner alone, which stops at
+    its safe point with a checkpoint; the worker answers until then and dies with it (PR_SET_PDEATHSIG)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def _bytes(state: dict[str, torch.Tensor]) -> bytes:
     """An adapter version as safetensors bytes: plain data through the pipe (torch's tensor pickling would
     share file descriptors through a server thread, which a stopped or killed worker leaves hanging)."""
@@ -268,6 +292,8 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
 
     from ..config import config_from_dict
 
+    for s in (signal.SIGINT, signal.SIGTERM):  # (the learner's to handle: it stops this worker when it stops)
+        signal.signal(s, signal.SIG_IGN)
     try:  # die with the learner, even a kill -9 of it
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -281,8 +307,12 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
     tqdm.set_lock(threading.RLock())  # (tqdm's default lock is a multiprocessing one, left behind by a kill)
     hf_logging.disable_progress_bar()  # (the learner shows the loading)
     torch.set_num_threads(threads)
-    cfg = config_from_dict(cfg_dict)
-    serve = _VLLMSampler(cfg, spec) if spec is not None else _HFSampler(cfg, dtype, device)
+    try:
+        cfg = config_from_dict(cfg_dict)
+        serve = _VLLMSampler(cfg, spec) if spec is not None else _HFSampler(cfg, dtype, device)
+    except Exception as e:  # (said by the learner in one line, as a start that failed)
+        conn.send(("start-error", None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+        return
     conn.send(("ready", None, None))
     while True:
         try:

@@ -211,15 +211,9 @@ class Collector:
                 use = v and kept < r.prompts_per_step
                 group_of.append(kept if use else None)
                 kept += use
-            for p in range(len(idx)):
-                group = group_of[lo + p]
-                for s in range(g):
-                    i = p * g + s
-                    completions.append(Completion(
-                        example=examples[i], slot=sampled + lo + p, sample=s, seed=seeds[i],
-                        prompt_ids=gen.prompt_ids[i],
-                        ids=gen.completion_ids[i], sampler_logps=gen.logps[i], text=texts[i],
-                        truncated=gen.truncated[i], reward=records[i], used=group is not None, group=group))
+            if idx:
+                completions += self._completions(examples, [sampled + lo + p for p in range(len(idx))],
+                                                 group_of[lo:lo + len(idx)], seeds, gen, texts, records)
             sampled += n
             rounds += 1
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
@@ -251,12 +245,19 @@ class Collector:
         examples = [self.examples[i] for i in idx for _ in range(g)]  # (every process has prompts: P divides)
         with timer("score"):
             result = score(self.reward, examples, texts, gen, self.trainer_state(step))
-        completions = [Completion(example=examples[i], slot=lo + i // g, sample=i % g, seed=seeds[i],
-                                  prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i],
-                                  sampler_logps=gen.logps[i], text=texts[i], truncated=gen.truncated[i],
-                                  reward=result.records[i], used=True, group=lo + i // g)
-                       for i in range(len(examples))]
-        return Rollout(completions, n, n, result.metrics)
+        slots = [lo + p for p in range(len(idx))]  # (every group used: a prompt's group is its slot)
+        return Rollout(self._completions(examples, slots, slots, seeds, gen, texts, result.records), n, n,
+                       result.metrics)
+
+    def _completions(self, examples: list[Example], slots: list[int], groups: list[int | None], seeds: list[int],
+                     gen: Generation, texts: list[str], records: list) -> list[Completion]:
+        """The step's records of one round's rows (prompt-major, G a prompt), whichever process sampled them:
+        each prompt's slot among the step's sampled prompts and its group (None: dropped by dynamic sampling)."""
+        g = self.cfg.num_generations
+        return [Completion(example=examples[i], slot=slots[i // g], sample=i % g, seed=seeds[i],
+                           prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i], sampler_logps=gen.logps[i],
+                           text=texts[i], truncated=gen.truncated[i], reward=records[i],
+                           used=groups[i // g] is not None, group=groups[i // g]) for i in range(len(examples))]
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state` (for shaping by training progress): a

@@ -108,6 +108,7 @@ class VLLMEngine:
             dict(gpu_memory_utilization=v.gpu_memory_utilization)
         lora = {}
         self.versions: dict[int, Path] = {}
+        self._asleep = False  # (rollout.vllm.sleep: the engine sleeps between rollouts)
         if spec.adapter_config:  # as TRL's async GRPO (PR #7017): the versions in use stay loaded side by side
             import json
             import tempfile
@@ -144,8 +145,7 @@ class VLLMEngine:
         """Give the engine the policy's current weights (LoRA merged)."""
         with torch.no_grad(), merged_adapter(model):
             state = {_hf_name(k): t for k, t in base_model(model).state_dict().items() if "lora_" not in k}
-            if self.cfg.rollout.vllm.sleep:
-                self.llm.wake_up()
+            self._wake()
             self.llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=list(state.items()),
                                                                   is_checkpoint_format=True))
         self.llm.reset_prefix_cache()
@@ -174,6 +174,7 @@ class VLLMEngine:
                     stop_token_ids=self.stop, ignore_eos=False, skip_special_tokens=True,
                     repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0))
         lora = None if version is None else LoRARequest(f"v{version}", version + 1, str(self.versions[version]))
+        self._wake()  # (a LoRA-mode engine gets no sync before it samples: it wakes here)
         outs = self.llm.generate(requests, params, use_tqdm=False, lora_request=lora)
         gen = Generation([], [], [], [])
         for i, out in enumerate(outs):
@@ -185,7 +186,14 @@ class VLLMEngine:
             gen.logps.append([float(d[t].logprob) for d, t in zip(c.logprobs, tokens)])
         if self.cfg.rollout.vllm.sleep:
             self.llm.sleep(level=1)
+            self._asleep = True
         return gen
+
+    def _wake(self) -> None:
+        """Wake a sleeping engine (rollout.vllm.sleep: it sleeps between rollouts)."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
 
     def close(self) -> None:
         """Shut the engine down and release vLLM's process-wide state (its parallel groups), so that a
