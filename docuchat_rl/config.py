@@ -127,6 +127,40 @@ class VLLMConfig(Section):
     """No CUDA graphs (always eager on the CPU)."""
     sleep: bool = False
     """Free the engine's memory between rollouts (vLLM sleep mode; a no-op on the CPU)."""
+    mode: Literal["colocate", "server"] = "colocate"
+    """colocate: an engine in the training process (TRL's name); server: vLLM's own servers at server_base_url, the adapter versions loaded as LoRA adapters (docs/vllm.md)."""
+    server_base_url: str | list[str] | None = None
+    """mode server: the server's URL (http://host:8000), or a list of data-parallel servers the prompts are spread over."""
+    timeout_s: float = Field(600.0, gt=0)
+    """mode server: the longest a server may take to answer one request (or to load an adapter version)."""
+    adapter_dir: str | None = None
+    """mode server: where each adapter version is written for the servers to load (a folder they can read); null: <run.output_dir>/vllm-adapters."""
+
+    @field_validator("server_base_url")
+    @classmethod
+    def _urls(cls, v):
+        for url in ([v] if isinstance(v, str) else v or []):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL (e.g. http://localhost:8000)")
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list: give at least one server URL")
+        return v
+
+    @model_validator(mode="after")
+    def _mode_keys(self) -> VLLMConfig:
+        defaults = VLLMConfig.model_construct()
+        colocated = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "tensor_parallel_size",
+                     "enforce_eager", "sleep")
+        served = ("server_base_url", "timeout_s", "adapter_dir")
+        own, other = (served, colocated) if self.mode == "server" else (colocated, served)
+        wrong = [k for k in other if getattr(self, k) != getattr(defaults, k, VLLMConfig.model_fields[k].default)]
+        if wrong:
+            where = ("the server's own flags set them (docuchat-rl serve)" if self.mode == "server"
+                     else "set rollout.vllm.mode=server for them")
+            raise ValueError(f"rollout.vllm.{wrong[0]} does not apply to rollout.vllm.mode {self.mode}: {where}")
+        if self.mode == "server" and not self.server_base_url:
+            raise ValueError("rollout.vllm.mode server needs rollout.vllm.server_base_url (the vLLM server's URL)")
+        return self
 
 
 class RolloutConfig(Section):
@@ -379,6 +413,9 @@ class Config(Section):
             # config holds every key)
             raise ValueError("rollout.async_worker_threads and rollout.async_timeout_s apply to rollout.async_lag "
                              ">= 1, not to the synchronous loop")
+        if r.engine == "vllm" and r.vllm.mode == "server" and r.async_worker_threads:
+            raise ValueError("rollout.async_worker_threads does not apply to rollout.vllm.mode server: the servers "
+                             "sample ahead themselves (set it to 0)")
         if r.async_lag and r.dynamic_sampling:
             raise ValueError("rollout.async_lag cannot be used with rollout.dynamic_sampling (its refill reads the "
                              "same step's rewards, which a fixed lag samples ahead of)")
@@ -449,7 +486,7 @@ def _one_line(err: ValidationError) -> str:
         return f"config key {key!r} is unknown; allowed here: {', '.join(allowed)}"
     if e["type"] == "literal_error":
         return f"config key {key!r}: {msg} (got {e.get('input')!r})"
-    if not key:  # a cross-field (model-level) check already names its key
+    if not key or msg.startswith(key + "."):  # a cross-field (model-level) check already names its key
         return msg
     return f"config key {key!r}: {msg} (got {e.get('input')!r})"
 

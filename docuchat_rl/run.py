@@ -45,7 +45,7 @@ from .distributed import (
     sharding_from_launcher,
     without_fsdp_env,
 )
-from .errors import CheckpointError, CheckpointWarning, ModelError, TrainingError
+from .errors import CheckpointError, CheckpointWarning, TrainingError
 from .learning.algorithms import Algorithm, get_algorithm_class
 from .learning.fused_lora import fuse_lora
 from .learning.learner import Learner
@@ -54,11 +54,10 @@ from .modeling import (
     build_lora,
     disable_dropout,
     load_model_and_tokenizer,
-    tied_head_adapted,
-    unmergeable,
 )
 from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir
-from .sampling.lag import Ahead, LaggedPolicies
+from .sampling.engines import Engine, EngineContext, LocalEngine, engine_name, get_engine_class
+from .sampling.lag import Ahead, LaggedPolicies, Lookahead
 from .sampling.rollout import Collector
 from .sampling.scoring import build_reward
 
@@ -142,10 +141,10 @@ class Run:
     def close(self) -> None:
         """Close the files, wandb and a vLLM engine, release the folder."""
         self.outputs.close()
-        if self.collector.vllm is not None:
-            self.collector.vllm.close()
         if self.collector.ahead is not None:
             self.collector.ahead.close()
+        if self.collector.engine is not None:
+            self.collector.engine.close()
         if self.wandb is not None:
             self.wandb.finish()
         if self.lock is not None:
@@ -290,39 +289,25 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     prompt_texts = [render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages) for e in examples]
     _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
     reward = build_reward(cfg.rewards)
-    vllm = spec = None  # (spec: a vLLM engine's, for this process's or a fixed lag's worker)
-    if cfg.rollout.engine == "vllm":  # (before a resume restores the RNG states: vLLM seeds the global ones)
-        if dist.active and cfg.rollout.vllm.tensor_parallel_size > 1:
-            raise TrainingError("rollout.vllm.tensor_parallel_size > 1 with several training processes is not "
-                                "built (each process runs its own engine): use 1, or one process")
-        if place.sharding is not None:
-            raise TrainingError("rollout.engine vllm loads the whole model in each process: it cannot run with "
-                                "FSDP2 sharding (use accelerate's data-parallel launch, or the fast engine)")
-        tied = tied_head_adapted(model)
-        why = unmergeable(model) or (f"its output head {tied} shares the input embedding's weight (tied), which "
-                                     "vLLM restores from the embedding" if tied else None)
-        if why:  # (the sync would send the base weights: vLLM would sample the untrained model, silently)
-            raise ModelError(f"rollout.engine vllm samples the policy with its LoRA merged into the weights, and "
-                             f"{why}: take that layer out of lora.target_modules, or use rollout.engine fast")
-        from .sampling.vllm_engine import VLLMEngine, engine_spec
-
-        # a fixed lag's worker is the engine (serving the adapter versions as LoRA adapters), else one here
-        worker = bool(cfg.rollout.async_lag and cfg.rollout.async_worker_threads)
-        spec = engine_spec(cfg.rollout, model, tokenizer, cfg.data.max_prompt_tokens, lora=worker)
-        if not worker:
-            vllm = VLLMEngine(cfg, tokenizer, spec, processes=dist.world)
+    ctx = EngineContext(cfg, tokenizer, model, dist, out_dir, place.lockstep, place.sharding is not None)
+    kind = get_engine_class(engine_name(cfg))
+    kind.check(ctx)  # (what it cannot serve, in one line, before anything starts)
+    if cfg.rollout.async_lag and cfg.rollout.async_worker_threads:  # a fixed lag's worker process samples: its
+        spec = kind.worker_spec(ctx)  # engine is built there (from `spec`: vLLM's), this process's never asked
+        engine = LocalEngine(ctx)
+    else:  # (built before a resume restores the RNG states: vLLM seeds the global ones)
+        spec, engine = None, kind(ctx)  # (servers: checked that they answer and serve this model)
     try:
         return _assemble(cfg, out_dir, place, resume_dir, examples, lock, model, tokenizer, algo, params, optimizer,
-                         scheduler, prompt_texts, reward, rows, vllm, spec)
+                         scheduler, prompt_texts, reward, rows, engine, spec)
     except BaseException:  # (a failure after the engine started: it is closed, not left holding its memory)
-        if vllm is not None:
-            vllm.close()
+        engine.close()
         raise
 
 
 def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example],
               lock: RunLock | None, model, tokenizer, algo: Algorithm, params, optimizer, scheduler,
-              prompt_texts: list[str], reward: CompositeReward, rows: dict, vllm, spec) -> Run:
+              prompt_texts: list[str], reward: CompositeReward, rows: dict, engine: Engine, spec) -> Run:
     """The run's state (resumed or fresh), its learner, collector, files and wandb; a fixed lag's worker is
     started last, when nothing after it can fail and leave it running."""
     dist = place.dist
@@ -353,7 +338,7 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
     learner = Learner(cfg, model, algo, params, optimizer, scheduler, place.accelerator, dist,
                       tokenizer.pad_token_id, chunk, bool(place.sharded_layers), state.nonfinite_streak)
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
-                          place.lockstep, max_steps=cfg.run.steps, vllm=vllm)
+                          place.lockstep, max_steps=cfg.run.steps, engine=engine)
     outputs = Outputs.open(out_dir, dist.is_main, state.offsets)
     wandb_run = None
     try:
@@ -364,6 +349,8 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
                                    dir=str(out_dir), config=cfg.to_dict(), id=state.run_id, resume="allow")
         if lagged is not None and cfg.rollout.async_worker_threads:  # the worker samples ahead (lag.Ahead)
             collector.ahead = Ahead(cfg, place.dtype, str(dist.device), collector, lagged, state.step, spec)
+        elif lagged is not None and engine.owns_versions:  # a server samples ahead (its requests in flight)
+            collector.ahead = Lookahead(engine, cfg, collector, lagged, state.step)
     except BaseException:
         outputs.close()
         if wandb_run is not None:

@@ -51,7 +51,7 @@ __all__ = ["MEASURED", "Trainer", "TrainingError", "Timer"]
 
 # metrics that measure the machine (seconds, speed, memory), not the run: the only keys in which two runs
 # with the same seed may differ (a resumed run and an uninterrupted one compare everything else)
-MEASURED = ("time/", "memory/", "rollout_tokens_per_s")
+MEASURED = ("time/", "memory/", "rollout_tokens_per_s", "rollout_sampler_s")
 
 
 class Trainer:
@@ -90,7 +90,7 @@ class Trainer:
         # (a fixed lag's worker samples with its own copy: the learner's model keeps its weights)
         with self.policy.holding(step) if self.collector.ahead is None else contextlib.nullcontext():
             with gathered(place.gather_for_generation, place.sharding):
-                rollout = self.collector.collect(self.learner.model, timer, step)
+                rollout = self.collector.collect(self.learner.model, timer, step, version)
         rollout.adapter_sha256, rollout.policy_version = digest, version
         return rollout
 
@@ -135,9 +135,12 @@ class Trainer:
              "prompts_sampled": rollout.prompts_sampled, "groups_used": rollout.groups_used, "kl": None, **metrics}
         for key, values in logged.items():  # (under "user/<name>" where the name is one of ours)
             m[key if key not in m else f"user/{key}"] = sum(values) / len(values)
-        rollout_s, peak = self.dist.max(torch.tensor([timer.seconds.get("rollout", 0.0),
-                                                      peak_mb(self.dist.device)], dtype=torch.float64)).tolist()
+        # (sampled ahead, the learner's rollout time is its wait: tokens/s is over the engine's own seconds)
+        sampling = rollout.sampler_seconds if rollout.sampler_seconds is not None else timer.seconds.get("rollout", 0.0)
+        rollout_s, peak = self.dist.max(torch.tensor([sampling, peak_mb(self.dist.device)], dtype=torch.float64)).tolist()
         m["memory/peak_mb"] = round(peak, 1)  # the step's peak, the largest process's (memory.py)
+        if rollout.sampler_seconds is not None:
+            m["rollout_sampler_s"] = rollout_s  # (the engine's, overlapping the update before; time/rollout: the wait)
         m["rollout_tokens_per_s"] = float(sum(r.completion_tokens for r in records) / rollout_s) if rollout_s else None
         for phase, s in timer.seconds.items():
             m[f"time/{phase}"] = s

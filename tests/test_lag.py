@@ -174,7 +174,12 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
     assert [t["completion_ids"] for t in a] == [t["completion_ids"] for t in b]
     for x, y in zip(read_jsonl(ref / "metrics.jsonl"), read_jsonl(full / "metrics.jsonl")):
         assert x["async/lag"] == y["async/lag"] and math.isclose(x["loss"], y["loss"], rel_tol=1e-4, abs_tol=1e-7)
-    assert max(m["time/rollout"] for m in read_jsonl(full / "metrics.jsonl")[2:]) < 0.5  # sampled while updating
+    worked = read_jsonl(full / "metrics.jsonl")
+    assert max(m["time/rollout"] for m in worked[2:]) < 0.5  # sampled while updating
+    # tokens/s over the worker's own sampling seconds (not over the learner's wait, which is ~0)
+    inline = read_jsonl(ref / "metrics.jsonl")
+    assert all(m["rollout_sampler_s"] > 0.05 for m in worked) and "rollout_sampler_s" not in inline[0]
+    assert max(m["rollout_tokens_per_s"] for m in worked) < 20 * max(m["rollout_tokens_per_s"] for m in inline)
     from docuchat_rl.tools.replay import replay  # a worker run replays with its worker (same threads, same numbers)
 
     lines = [t for t in b if t["step"] in (2, 4)][::5]

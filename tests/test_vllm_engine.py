@@ -165,7 +165,7 @@ def test_sampling_with_vllm_leaves_the_policy_in_eval_mode(tmp_path):
 
     t = Trainer(cfg_for(tmp_path, "lora.dropout=0.1"))
     t.learner.model.train()  # (as an update leaves it)
-    t.collector.sample(t.learner.model, [0, 1], seeds=list(range(8)))
+    t.collector.sample(t.learner.model, [0, 1], list(range(8)), version=0, step=1)
     assert not t.learner.model.training
     t.close()
 

@@ -58,6 +58,7 @@ class Generation:
     completion_ids: list[list[int]]  # per row, unpadded, EOS included when emitted
     truncated: list[bool]  # True when no EOS was produced within max_new_tokens
     logps: list[list[float]]  # per row: each completion token's log-prob under the distribution it was drawn from
+    seconds: float | None = None  # sampled ahead (a fixed lag): the engine's own wall seconds for these rows
 
 
 @dataclass

@@ -27,7 +27,9 @@ Several data-parallel processes: each learner process has a worker of its own fo
 
 With `rollout.engine: vllm` the worker is a vLLM engine serving the versions as LoRA adapters (vllm_engine.py:
 the base weights once, nothing merged on either side); with async_worker_threads 0 the learner's colocated
-engine is synced with the lagged version (merged), the reference.
+engine is synced with the lagged version (merged), the reference. Over vLLM's servers (`rollout.vllm.mode:
+server`) no worker process is started: the servers are the worker, each version a LoRA adapter they load,
+and step t + 1 + k's requests stay in flight while the learner updates step t (`Lookahead`).
 
 Deliberately left out (not built yet): FSDP2 sharding (a worker holds the whole model) and dynamic sampling
 (whose refill reads the same step's rewards); each is refused in one line.
@@ -148,6 +150,45 @@ class SamplingPolicy:
         if self.ahead is not None:
             self.ahead.after_update(step)
         return {"async/lag": step - 1 - self.lagged.version_for(step)}
+
+
+class Lookahead:
+    """A fixed lag over an engine with weights of its own (a vLLM server, `engines.Engine.owns_versions`): the
+    schedule of `Ahead`, the engine's requests for step u in flight from the moment the version that samples u
+    exists (the server is the worker). Every process asks for its share of the prompts."""
+
+    def __init__(self, engine, cfg, collector, lagged: LaggedPolicies, start: int):
+        self.engine, self.cfg, self.collector, self.lagged = engine, cfg, collector, lagged
+        self.pending: dict[int, tuple[list[int], list[int], int, object]] = {}  # step -> (rows, seeds, version, future)
+        for v in sorted(lagged.versions):
+            engine.add_version(v, lagged.versions[v], min(lagged.versions))
+        for step in range(start + 1, start + 2 + lagged.lag):
+            self._request(step)
+
+    def _request(self, step: int) -> None:
+        if step > self.cfg.run.steps:
+            return
+        idx, seeds = self.collector.take_prompts(step)
+        version = self.lagged.version_for(step)
+        future = self.engine.submit([self.collector.prompt_texts[i] for i in idx], seeds, version, step)
+        self.pending[step] = (idx, seeds, version, future)
+
+    def after_update(self, step: int) -> None:
+        """Version `step` exists: load it (the versions no pending step needs unloaded) and ask for the step it
+        samples."""
+        self.engine.add_version(step, self.lagged.versions[step], self.lagged.version_for(step + 1))
+        self._request(step + 1 + self.lagged.lag)
+
+    def take(self, step: int):
+        """(rows, seeds, Generation) of `step`, waiting for the engine (its errors are one line)."""
+        idx, seeds, _, future = self.pending.pop(step)
+        return idx, seeds, future.result()
+
+    def close(self) -> None:
+        """Drop the requests still in flight (the engine is closed by its run)."""
+        for *_, future in self.pending.values():
+            future.cancel()
+        self.pending = {}
 
 
 class Ahead:
@@ -308,8 +349,20 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
     hf_logging.disable_progress_bar()  # (the learner shows the loading)
     torch.set_num_threads(threads)
     try:
-        cfg = config_from_dict(cfg_dict)
-        serve = _VLLMSampler(cfg, spec) if spec is not None else _HFSampler(cfg, dtype, device)
+        from transformers import AutoTokenizer
+
+        from ..distributed import Dist
+        from .engines import EngineContext, LocalEngine, VLLMColocated
+
+        # (the learner's decided dtype and its device: the worker samples what the learner's process would)
+        cfg = config_from_dict(cfg_dict, [f"model.dtype={dtype}", f"model.device={device}"])
+        if spec is not None:  # vLLM's LoRA mode: the base weights once, each version a LoRA adapter
+            m = cfg.model
+            tok = AutoTokenizer.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code,
+                                                revision=m.revision)
+            serve = VLLMColocated(EngineContext(cfg, tok, None, Dist()), spec)
+        else:  # its own copy of the model (and tokenizer), each version put into its LoRA weights
+            serve = LocalEngine(EngineContext(cfg, None, None, Dist()))
     except Exception as e:  # (said by the learner in one line, as a start that failed)
         conn.send(("start-error", None, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
         return
@@ -327,8 +380,10 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
             continue
         _, step, version, prompts, seeds = msg
         try:
+            t0 = time.perf_counter()
             with torch.no_grad():
-                gen = serve.sample(version, prompts, seeds)
+                gen = serve.generate(prompts, seeds, version, step)
+            gen.seconds = time.perf_counter() - t0
             reply = ("done", step, gen)
         except Exception as e:  # (said by the learner in one line)
             reply = ("error", step, f"{type(e).__name__}: {e}")
@@ -336,58 +391,3 @@ def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: i
             conn.send(reply)
         except (EOFError, OSError):
             return
-
-
-class _HFSampler:
-    """The worker's sampler on a Hugging Face model with the run's LoRA layout: a version is put into its
-    LoRA weights for the step it samples."""
-
-    def __init__(self, cfg, dtype: str, device: str):
-        from ..learning.fused_lora import fuse_lora
-        from ..modeling import build_lora, disable_dropout, load_model_and_tokenizer
-
-        model, self.tok = load_model_and_tokenizer(cfg.model.name_or_path, dtype, device,
-                                                   cfg.model.trust_remote_code, cfg.model.revision)
-        if cfg.model.disable_dropout:
-            disable_dropout(model)
-        self.model = build_lora(model, cfg.lora)
-        if cfg.lora.fused:
-            fuse_lora(self.model)
-        self.model.eval()
-        self.cfg, self.versions = cfg, {}
-
-    def add_version(self, version: int, state: dict[str, torch.Tensor], keep_from: int) -> None:
-        self.versions[version] = state
-        for old in [k for k in self.versions if k < keep_from]:
-            del self.versions[old]
-
-    def sample(self, version: int, prompts: list[str], seeds: list[int]):
-        from peft import set_peft_model_state_dict
-
-        from .rollout import sample_rows
-
-        set_peft_model_state_dict(self.model, self.versions[version], adapter_name="default")
-        return sample_rows(self.model, self.tok, self.cfg.rollout, prompts, seeds)
-
-
-class _VLLMSampler:
-    """The worker's sampler on a vLLM engine in LoRA mode (vllm_engine.py): the base weights once, each
-    version a LoRA adapter."""
-
-    def __init__(self, cfg, spec):
-        from transformers import AutoTokenizer
-
-        from .vllm_engine import VLLMEngine
-
-        tok = AutoTokenizer.from_pretrained(cfg.model.name_or_path, trust_remote_code=cfg.model.trust_remote_code,
-                                            revision=cfg.model.revision)
-        self.engine, self.r = VLLMEngine(cfg, tok, spec), cfg.rollout
-
-    def add_version(self, version: int, state: dict[str, torch.Tensor], keep_from: int) -> None:
-        self.engine.add_version(version, state, keep_from)
-
-    def sample(self, version: int, prompts: list[str], seeds: list[int]):
-        r = self.r
-        return self.engine.generate(prompts, num_return_sequences=r.num_generations, row_seeds=seeds,
-                                    max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
-                                    temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, version=version)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from rewards import CompositeReward
 from rewards.composite import RewardRecord
@@ -30,6 +31,9 @@ from ..modeling import merged_adapter
 from ..traces import TraceRecord, completion_fields
 from .generation import Generation, generate, row_seed
 from .scoring import score
+
+if TYPE_CHECKING:
+    from .engines import Engine
 
 
 class Timer:
@@ -74,6 +78,7 @@ class Rollout:
     reward_metrics: dict[str, list[float]] = field(default_factory=dict)  # user functions' log_metric values
     adapter_sha256: str | None = None  # the sampling policy's adapter digest (modeling.adapter_digest)
     policy_version: int | None = None  # the sampling policy: the adapter after this step (Trainer.collect)
+    sampler_seconds: float | None = None  # sampled ahead (a fixed lag): the engine's seconds, overlapping the update
 
     @property
     def used(self) -> list[Completion]:
@@ -151,36 +156,36 @@ class Collector:
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
                  reward: CompositeReward, sampler: PromptSampler, seed: int = 0, dist: Dist | None = None,
-                 lockstep=None, max_steps: int = 0, vllm=None):
+                 lockstep=None, max_steps: int = 0, engine: Engine | None = None):
         self.cfg, self.tokenizer, self.examples, self.max_steps = cfg, tokenizer, examples, max_steps
-        self.vllm = vllm  # a vllm_engine.VLLMEngine (rollout.engine vllm), else None
+        self.engine = engine  # what samples (engines.py); None: our engines on the model `collect` is given
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
         self.dist = dist or Dist()
         self.lockstep = lockstep  # sharded generation: every process makes the same model calls (generation.py)
         self.ahead = None  # a fixed lag's worker process (lag.Ahead), set by run.start_run
         self.taken: dict[int, dict] = {}  # step -> data position after its prompts were taken
 
-    def sample(self, model, idx: list[int], seeds: list[int] | None = None) -> tuple[Generation, list[str]]:
-        """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts;
-        `seeds` gives each row its own random stream."""
-        r = self.cfg
-        model.eval()  # (also under vLLM: the old-log-prob and reference passes that follow run in this mode)
-        if self.vllm is not None:
-            gen = self.vllm.generate([self.prompt_texts[i] for i in idx], num_return_sequences=r.num_generations,
-                                     row_seeds=seeds, max_new_tokens=r.max_new_tokens,
-                                     min_new_tokens=r.min_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                     top_k=r.top_k)
-            return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
-        gen = sample_rows(model, self.tokenizer, r, [self.prompt_texts[i] for i in idx], seeds, self.lockstep)
+    def sample(self, model, idx: list[int], seeds: list[int], version: int, step: int) -> tuple[Generation, list[str]]:
+        """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts, sampled by
+        adapter `version`; `seeds` gives each row its own random stream."""
+        model.eval()
+        prompts = [self.prompt_texts[i] for i in idx]
+        if self.engine is not None:
+            gen = self.engine.generate(prompts, seeds, version, step)
+        else:
+            gen = sample_rows(model, self.tokenizer, self.cfg, prompts, seeds, self.lockstep)
         return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
 
-    def collect(self, model, timer: Timer, step: int) -> Rollout:
-        """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some)."""
+    def collect(self, model, timer: Timer, step: int, version: int | None = None) -> Rollout:
+        """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some),
+        sampled by adapter `version` (default: the one after step - 1)."""
         r, g, dist = self.cfg, self.cfg.num_generations, self.dist
-        if self.vllm is not None:
-            self.vllm.sync(model)  # the policy of the steps before this one
+        version = step - 1 if version is None else version
         if self.ahead is not None:  # a fixed lag's worker process sampled this step already (lag.Ahead)
             return self._collect_ahead(timer, step)
+        if self.engine is not None:  # (every process: a server engine's loading is a collective)
+            with timer("rollout"):
+                self.engine.begin_step(model, version)  # (a colocated engine syncs, a server loads the version)
         completions: list[Completion] = []
         logged: dict[str, list[float]] = {}
         kept = rounds = sampled = 0  # over all processes
@@ -194,7 +199,7 @@ class Collector:
             varied, records = [], []
             if idx or self.lockstep:  # (sharded generation: a process without prompts joins the others' calls)
                 with timer("rollout"):
-                    gen, texts = self.sample(model, idx, seeds)
+                    gen, texts = self.sample(model, idx, seeds, version, step)
             if idx:
                 with timer("score"):
                     result = score(self.reward, examples, texts, gen, self.trainer_state(step))
@@ -247,7 +252,7 @@ class Collector:
             result = score(self.reward, examples, texts, gen, self.trainer_state(step))
         slots = [lo + p for p in range(len(idx))]  # (every group used: a prompt's group is its slot)
         return Rollout(self._completions(examples, slots, slots, seeds, gen, texts, result.records), n, n,
-                       result.metrics)
+                       result.metrics, sampler_seconds=gen.seconds)
 
     def _completions(self, examples: list[Example], slots: list[int], groups: list[int | None], seeds: list[int],
                      gen: Generation, texts: list[str], records: list) -> list[Completion]:
