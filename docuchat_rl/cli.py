@@ -562,7 +562,9 @@ def cmd_serve(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     extra = args.vllm_args[1:] if args.vllm_args[:1] == ["--"] else args.vllm_args
-    argv, env = serve_command(cfg, args.port, sys.executable, extra)
+    import torch
+
+    argv, env = serve_command(cfg, args.port, sys.executable, extra, cpu=not torch.cuda.is_available())
     print(" ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(argv), flush=True)
     if args.print_only:
         return 0

@@ -204,9 +204,15 @@ def stopped_and_resumed(out, opts) -> None:
 def test_two_processes_each_with_its_engine_equal_one(tmp_path):
     """Data-parallel: each process's engine generates its share of the prompts (vLLM on the launcher's
     process group); the completions, rewards and metrics equal a one-process run's."""
+    one_and_two_processes_agree(tmp_path, "rollout.engine=vllm", KV)
+
+
+def one_and_two_processes_agree(tmp_path, *opts: str) -> None:
+    """Two steps with `opts` in one process and in two data-parallel ones: the same completions, rewards and
+    metrics."""
     from .test_distributed import _assert_close, _train, _untimed
 
-    opts = ["run.steps=2", "checkpoint.every=2", "rollout.engine=vllm", KV, "data.test=null"]
+    opts = ("run.steps=2", "checkpoint.every=2", "data.test=null", *opts)
     _train(tmp_path / "one", 1, *opts)
     _train(tmp_path / "two", 2, *opts)
     one, two = (_untimed(tmp_path / d / "traces.jsonl") for d in ("one", "two"))

@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 from .conftest import MODEL, ROOT
-from .test_vllm_engine import KV, needs_vllm, untimed
+from .test_vllm_engine import KV, needs_vllm, one_and_two_processes_agree, untimed
 
 CPU_FLAGS = ["--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", "268435456",
              "--dtype", "float32"]  # (the CPU build needs a KV size; float32 as the trainer's CPU default)
@@ -140,6 +140,10 @@ def test_serve_prints_vllms_own_command_for_the_recipe():
     assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
     assert argv[argv.index("--seed") + 1] == str(cfg.run.seed)
     assert argv[-2:] == ["--gpu-memory-utilization", "0.3"]
+    # without CUDA, room for every row's whole prompt in one batch: vLLM's CPU build cannot rewind a seeded
+    # request after a chunked prefill (its engine dies with "CPU Generator does not use offset")
+    longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    assert int(argv[argv.index("--max-num-batched-tokens") + 1]) >= longest * cfg.rollout.batch_rows
 
 
 def test_no_server_at_the_url_is_one_line_before_the_model_trains(tmp_path):
@@ -293,9 +297,8 @@ def test_lag_over_a_server_killed_mid_run_resumes_to_the_uninterrupted_run(tmp_p
 
     opts = ["run.steps=6", "checkpoint.every=1", "rollout.async_lag=1", "optim.lr=5e-3"]
 
-    # (the reference through the CLI too: in this process vLLM's CPU build, loaded by earlier tests, made
-    # torch.set_num_threads a no-op, so an update here would differ from the CLI's in the last bits, which the
-    # adapter digests in the traces show)
+    # (the reference through the CLI too, as the run it is compared with: in this process vLLM's CPU build,
+    # loaded by earlier tests, made torch.set_num_threads a no-op)
     done = subprocess.run(_cli(tmp_path / "full", server.url, opts), cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -314,8 +317,17 @@ def test_lag_over_a_server_killed_mid_run_resumes_to_the_uninterrupted_run(tmp_p
     resumed = subprocess.run([*args, "--set", f"rollout.vllm.server_base_url={server.url}", "--resume", "latest"],
                              cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for name in ("traces.jsonl", "metrics.jsonl"):
-        assert untimed(cut / name) == untimed(tmp_path / "full" / name), name
+    # The same completions, rewards, advantages and versions, line for line. Not bit-equal weights: the
+    # server's log-probs (the behaviour weights' denominators) vary in their last bits with how its requests
+    # were batched, between any two runs (seen at step 1, before any kill: sampler/mismatch_mean 3.633e-07
+    # against 3.624e-07), so the adapters' digests differ and the metrics agree to rounding.
+    digestless = [[{k: v for k, v in r.items() if k != "adapter_sha256"} for r in untimed(d / "traces.jsonl")]
+                  for d in (cut, tmp_path / "full")]
+    assert digestless[0] == digestless[1]
+    for a, b in zip(untimed(cut / "metrics.jsonl"), untimed(tmp_path / "full" / "metrics.jsonl"), strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), (a["step"], k)
 
 
 def _cli(out, url, opts) -> list[str]:
@@ -359,16 +371,8 @@ def _kill_mid_run(cut, doomed, opts) -> None:
 def test_two_training_processes_sharing_a_server_equal_one(tmp_path, server):
     """Data-parallel trainers share the server: each asks for its share of the prompts, the main process
     writes and loads each version; completions, rewards and metrics equal a one-process run's."""
-    from .test_distributed import _assert_close, _train, _untimed
-
-    opts = ["run.steps=2", "checkpoint.every=2", "rollout.engine=vllm", "rollout.vllm.mode=server",
-            f"rollout.vllm.server_base_url={server.url}", "data.test=null"]
-    _train(tmp_path / "one", 1, *opts)
-    _train(tmp_path / "two", 2, *opts)
-    one, two = (_untimed(tmp_path / d / "traces.jsonl") for d in ("one", "two"))
-    assert [r["completion"] for r in one] == [r["completion"] for r in two] and len(one) == 2 * 16
-    _assert_close(one, two)
-    _assert_close(*(_untimed(tmp_path / d / "metrics.jsonl") for d in ("one", "two")))
+    one_and_two_processes_agree(tmp_path, "rollout.engine=vllm", "rollout.vllm.mode=server",
+                                f"rollout.vllm.server_base_url={server.url}")
     assert server.adapters() == []
 
 

@@ -15,7 +15,7 @@ command): nothing of ours runs inside it. This engine speaks HTTP to it:
   be the sampler's own). One request per completion, not `n = G` per prompt (vLLM seeds child k of an `n`
   request with `seed + k`; our row seeds are hashes, `generation.row_seed`): a completion then depends on
   its own seed alone (not on the group size, the batching, or which server answered), which is what makes a
-  run resume and replay exactly and sample what the colocated engine samples; the G rows of a prompt go to
+  run resume and replay with the same completions and sample what the colocated engine samples; the G rows of a prompt go to
   the same server, whose prefix cache shares the prompt's computation. Prompts are spread over the servers
   (`server_base_url` a list: data-parallel servers) round-robin, requests sent concurrently.
 - Checks at start (`GET /v1/models`, then loading the first version): the server answers, serves the
@@ -252,18 +252,26 @@ class VLLMServer(Engine):
         self.loaded = set()
 
 
-def serve_command(cfg, port: int, python: str, extra: list[str]) -> tuple[list[str], dict[str, str]]:
+def serve_command(cfg, port: int, python: str, extra: list[str], cpu: bool = False) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the vLLM server a recipe's server mode needs (`docuchat-rl serve`): vLLM's own
     OpenAI-compatible server on the recipe's base model, runtime LoRA loading on, room for the versions a fixed
-    lag keeps in use (lag + 2, at least 4: a recipe served for lag 0 still takes --set rollout.async_lag=2), LoRA rank rounded up to vLLM's sizes, the sampler's processed log-probs; `extra` (vLLM's
-    own flags) last."""
+    lag keeps in use (lag + 2, at least 4: a recipe served for lag 0 still takes --set rollout.async_lag=2),
+    LoRA rank rounded up to vLLM's sizes, the sampler's processed log-probs; on a machine without CUDA
+    (`cpu`), a token budget in which no prompt's prefill is split (vLLM's CPU build cannot rewind a seeded
+    request's generator after a chunked prefill: "CPU Generator does not use offset" kills its engine);
+    `extra` (vLLM's own flags) last."""
     r, rank = cfg.rollout, cfg.lora.r
     dtype = {"bf16-mixed": "bfloat16", "bfloat16": "bfloat16", "float32": "float32"}.get(cfg.model.dtype)
+    rows = max(r.batch_rows, 8)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model.name_or_path,
             "--port", str(port), "--enable-lora", "--max-loras", str(max(4, r.async_lag + 2)),
             "--max-lora-rank", str(max(8, 1 << (rank - 1).bit_length())), "--logprobs-mode", "processed_logprobs",
             "--seed", str(cfg.run.seed), *(["--dtype", dtype] if dtype else []),  # (auto: vLLM's own choice)
-            "--max-num-seqs", str(max(r.batch_rows, 8)), *extra]
+            "--max-num-seqs", str(rows)]
+    if cpu and "--max-num-batched-tokens" not in extra:  # (as the colocated engine sets it, vllm_engine.py)
+        longest = cfg.rollout.vllm.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens
+        argv += ["--max-num-batched-tokens", str(max(8192, longest * rows))]
+    argv += extra
     if cfg.model.trust_remote_code:
         argv.insert(argv.index("--port"), "--trust-remote-code")
     return argv, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
