@@ -148,12 +148,11 @@ class VLLMConfig(Section):
 
     @model_validator(mode="after")
     def _mode_keys(self) -> VLLMConfig:
-        defaults = VLLMConfig.model_construct()
         colocated = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "tensor_parallel_size",
                      "enforce_eager", "sleep")
         served = ("server_base_url", "timeout_s", "adapter_dir")
-        own, other = (served, colocated) if self.mode == "server" else (colocated, served)
-        wrong = [k for k in other if getattr(self, k) != getattr(defaults, k, VLLMConfig.model_fields[k].default)]
+        other = colocated if self.mode == "server" else served  # (the other mode's keys, left at their defaults)
+        wrong = [k for k in other if getattr(self, k) != VLLMConfig.model_fields[k].default]
         if wrong:
             where = ("the server's own flags set them (docuchat-rl serve)" if self.mode == "server"
                      else "set rollout.vllm.mode=server for them")
