@@ -16,9 +16,10 @@ place, then `latest` (a file holding the folder name) is replaced atomically, la
 is fsync'ed after each rename. A crash at any point, of the process or of the machine, leaves the
 previous checkpoint and `latest` intact. Only the newest `keep_last` checkpoints are kept.
 
-`resolve_resume("latest")` verifies what it would load against the manifest (every file present, with
-its size and hash); a damaged newest checkpoint (a file deleted or truncated) is skipped for the newest
-intact one, with a warning naming what was wrong.
+`resolve_resume("latest")` takes the newest sealed checkpoint (newer than `latest` names when a crash fell
+between the rename and the pointer) and verifies it against the manifest (every file present, with its
+size and hash); a damaged newest checkpoint (a file deleted or truncated) is skipped for the newest intact
+one, with a warning naming what was wrong.
 """
 
 from __future__ import annotations
@@ -188,9 +189,9 @@ def resolve_resume(path: str, out_dir: Path) -> Path:
         if problem:
             raise CheckpointError(f"cannot resume from {p}: {problem}")
         return p
-    pointed = (p / LATEST).read_text().strip() if (p / LATEST).exists() else None
-    candidates = sorted(list_checkpoints(p), key=lambda c: (c.name == pointed, int(c.name.split("-")[1])),
-                        reverse=True)  # the one `latest` names first, then newest first
+    # Newest first, whatever `latest` names: a crash between a checkpoint's rename and the pointer's
+    # replacement leaves a newer sealed checkpoint than `latest` says, and it is the one to resume.
+    candidates = list_checkpoints(p)[::-1]
     problems = []
     for c in candidates:
         problem = verify_checkpoint(c)

@@ -50,6 +50,19 @@ def test_resolve_resume_accepts_latest_a_run_folder_or_a_checkpoint(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-5", "checkpoint-10"]  # numeric order
 
 
+def test_a_crash_between_the_rename_and_the_pointer_resumes_the_newer_sealed_checkpoint(tmp_path):
+    """kill -9 after checkpoint-2's rename and before `latest` is replaced: checkpoint-2 is sealed and the
+    run's traces reach it, so `latest` resumes it (resuming checkpoint-1 inside the folder would be refused
+    as cutting checkpoint-2's history: the run could not go on at all)."""
+    save_checkpoint(tmp_path, 1, _writer(1), keep_last=3)
+    save_checkpoint(tmp_path, 2, _writer(2), keep_last=3)
+    (tmp_path / LATEST).write_text("checkpoint-1\n")  # the pointer as it was before the crash
+    assert resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-2"
+    (tmp_path / "checkpoint-2" / "adapter_model.safetensors").write_bytes(b"z")  # damaged: the older one
+    with pytest.warns(UserWarning, match="resuming from checkpoint-1, the newest intact checkpoint"):
+        assert resolve_resume("latest", tmp_path) == tmp_path / "checkpoint-1"
+
+
 def test_the_manifest_covers_every_file_and_catches_a_same_size_change(tmp_path):
     from docuchat_rl.checkpoint import MANIFEST, verify_checkpoint
 

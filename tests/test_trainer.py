@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 
+from docuchat_rl.checkpoint import resolve_resume
 from docuchat_rl.config import load_config
 from docuchat_rl.data import DataError
 from docuchat_rl.outputs import read_jsonl
@@ -154,8 +155,8 @@ def test_kill_9_leaves_a_usable_checkpoint_and_traces(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (out / "checkpoint-2").exists(), proc.stderr.read().decode()[-2000:]
-    latest = (out / "latest").read_text().strip()
-    state = json.loads((out / latest / "trainer_state.json").read_text())
+    newest = resolve_resume("latest", out)  # (the kill may fall between its rename and `latest`'s)
+    state = json.loads((newest / "trainer_state.json").read_text())
     traces = read_jsonl(out / "traces.jsonl")
     assert {r["step"] for r in traces} >= set(range(1, state["step"] + 1))
     # resume finishes the run with every step's records exactly once
