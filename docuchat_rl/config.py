@@ -201,6 +201,20 @@ class RolloutConfig(Section):
     """With async_lag: 0 samples in the learner's process between updates; N > 0 in a worker process of N torch threads, ahead, while the learner updates (under engine vllm: a vLLM engine)."""
     async_timeout_s: float = Field(600.0, gt=0)
     """With a worker: a step's samples that do not arrive within this many seconds (counted once the worker has loaded the model) end the run in one line naming the step and adapter version."""
+    tools: list[str] = Field(default_factory=list)
+    """Tool functions the model may call, by dotted path (pkg.module.fn or file.py:fn), sync or async, described to it by their type hints and docstrings (TRL's `tools`); makes rollouts multi-turn (docs/tools.md)."""
+    environment_factory: str | None = None
+    """An environment class by dotted path: one instance per completion, reset(**row) before sampling, its public methods are tools, its optional get_reward() the `environment` reward (TRL's `environment_factory`)."""
+    max_turns: int = Field(4, ge=1)
+    """With tools: most assistant turns in a completion (1: calls are parsed and traced, never run)."""
+    max_tool_calls: int = Field(8, ge=0)
+    """With tools: most tool calls run per completion (0: none; a call past the limit is answered with an error)."""
+    tool_timeout_s: float = Field(10.0, gt=0)
+    """With tools: a call that has not returned in this many seconds is answered with a timeout error."""
+    max_tool_result_tokens: int = Field(256, ge=1)
+    """With tools: a tool result longer than this many tokens is cut (the text and the trace say so)."""
+    tool_protocol: Literal["auto", "template", "text"] = AUTO
+    """With tools: template = the chat template's own tools and tool turns; text = the Hermes text protocol in the system prompt (docs/tools.md); auto: template when the chat template renders tools."""
     correction: Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "none"
     """Weight the loss by pi_prox/pi_sampler per token or sequence, clamped (truncate) or zeroed (mask) outside [correction_min, correction_max]; under async_lag none means token_truncate."""
     correction_min: float = Field(0.0, ge=0)
@@ -212,6 +226,11 @@ class RolloutConfig(Section):
     def batch_rows(self) -> int:
         """Completions per step (P * G)."""
         return self.prompts_per_step * self.num_generations
+
+    @property
+    def multi_turn(self) -> bool:
+        """Tools or an environment: completions of several turns (sampling/multiturn.py)."""
+        return bool(self.tools or self.environment_factory)
 
 
 class RewardSpec(Section):
@@ -418,6 +437,18 @@ class Config(Section):
         if r.async_lag and r.dynamic_sampling:
             raise ValueError("rollout.async_lag cannot be used with rollout.dynamic_sampling (its refill reads the "
                              "same step's rewards, which a fixed lag samples ahead of)")
+        if not r.multi_turn:
+            moved = [k for k in ("max_turns", "max_tool_calls", "tool_timeout_s", "max_tool_result_tokens",
+                                 "tool_protocol") if getattr(r, k) != RolloutConfig.model_fields[k].default]
+            if moved:  # (by value: a saved config holds every key)
+                raise ValueError(f"rollout.{moved[0]} applies to multi-turn rollouts (rollout.tools or "
+                                 "rollout.environment_factory), and neither is set")
+        elif r.async_lag:
+            raise ValueError("rollout.tools and rollout.environment_factory cannot be used with rollout.async_lag "
+                             "yet: the tool loop runs in the learner's process")
+        elif r.sharded_generation:
+            raise ValueError("rollout.tools and rollout.environment_factory cannot be used with "
+                             "rollout.sharded_generation (its processes decode in lockstep, turns differ per row)")
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")

@@ -61,6 +61,10 @@ class TraceRecord:
                                        "min_new_tokens, stop_ids of the sampler", None)
     versions: dict | None = _f("JSON", "replay: torch, transformers, vllm (null when not installed) and "
                                        "docuchat-rl versions of the run", None)
+    turns: list[dict] | None = _f("JSON", "multi-turn (rollout.tools, environment_factory): each assistant turn's "
+                                          "model_tokens, calls (name, arguments, result, error, result_tokens, "
+                                          "truncated, seconds), env_tokens and how it ended; null when single-turn",
+                                  None)
     algorithm: dict[str, float | None] = field(default_factory=dict)  # the algorithm's per-row values
     # (Algorithm.trace_fields: ALGORITHM_FIELDS below), None on rows not trained on; flattened into the JSON
 

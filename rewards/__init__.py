@@ -6,7 +6,9 @@ Every reward is a callable in TRL's convention, so it can be passed as-is to `tr
     trainer = GRPOTrainer(..., reward_funcs=[build_reward("correctness"), build_reward("format")])
 """
 
-from . import arithmetic, correctness, format, language, length, reasoning, repetition  # noqa: F401  (registration)
+from . import (  # noqa: F401  (registration)
+    arithmetic, correctness, environment, format, language, length, reasoning, repetition,
+)
 from .base import (
                    FunctionReward,
                    Reward,

@@ -210,7 +210,7 @@ def registered() -> list[str]:
 _FILE_MODULES: dict[Path, Any] = {}  # reward files loaded by path
 
 
-def _import(module: str):
+def import_module_or_file(module: str):
     """A module by dotted name (found from the working folder too, as `python -c` would) or by file path
     (`my_rewards.py`, `path/to/rewards.py`)."""
     if module.endswith(".py") or "/" in module:
@@ -236,7 +236,7 @@ def resolve_reward(name: str) -> type[Reward] | Callable:
     if ":" in name:
         module, _, attr = name.rpartition(":")
         try:
-            obj = getattr(_import(module), attr)
+            obj = getattr(import_module_or_file(module), attr)
         except (ImportError, AttributeError, OSError) as e:
             raise RewardError(f"cannot import reward {name!r}: {e}") from e
         except SyntaxError as e:  # (the module's own code: its file and line, not a traceback)

@@ -273,7 +273,9 @@ def token_rewards(batch: Batch, beta: float, kl_in_reward: bool) -> tuple[torch.
     """The token MDP: the sequence reward on the last completion token, optionally minus beta * KL per
     token (k1: log pi_old - log pi_ref). -> (rewards [R, T], dones [R, T], 1 at the last token)"""
     mask = batch.completion_mask
-    last = (mask.sum(-1).long() - 1).clamp(min=0)  # [R]
+    cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)  # [T]
+    last = ((mask > 0) * cols).amax(-1).sub(1).clamp(min=0)  # [R]: the last trained token (a multi-turn
+    # completion's mask has holes at its tool tokens, so the mask's sum is not the last index)
     dones = torch.zeros_like(mask)
     dones[torch.arange(batch.rows), last] = 1.0
     rewards = dones * batch.rewards.unsqueeze(-1)  # [R, T]  (a row without a reward value carries 0 here;

@@ -26,15 +26,18 @@ class RowInfo:
     completion_lens: tuple[int, ...]  # completion tokens of each row
     groups: tuple[int, ...]  # each row's group (the values of Batch.group)
     trained: tuple[bool, ...]  # False: the row's tokens are out of the loss (completion_mask all 0)
+    tool_tokens: tuple[int, ...] | None = None  # multi-turn: each row's tool-result tokens (out of the loss)
 
     def take(self, rows: list[int]) -> RowInfo:
-        return RowInfo(*(tuple(v[r] for r in rows)
-                         for v in (self.prompt_lens, self.completion_lens, self.groups, self.trained)))
+        return RowInfo(*(None if v is None else tuple(v[r] for r in rows)
+                         for v in (self.prompt_lens, self.completion_lens, self.groups, self.trained, self.tool_tokens)))
 
     @property
     def loss_lens(self) -> tuple[int, ...]:
-        """The tokens each row puts into the loss (its completion, or none when it is not trained on)."""
-        return tuple(n if t else 0 for n, t in zip(self.completion_lens, self.trained))
+        """The tokens each row puts into the loss (its completion's model tokens, or none when it is not
+        trained on)."""
+        tools = self.tool_tokens or (0,) * len(self.trained)
+        return tuple(n - k if t else 0 for n, k, t in zip(self.completion_lens, tools, self.trained))
 
 
 @dataclass
@@ -113,10 +116,12 @@ class Batch:
 def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], rewards: list[float],
                 group: list[int], pad_id: int, sampler_logps: list[list[float]] | None = None,
                 reward_valid: list[bool] | None = None, trained: list[bool] | None = None,
-                component_rewards: list[list[float]] | None = None) -> Batch:
+                component_rewards: list[list[float]] | None = None,
+                model_masks: list[list[int] | None] | None = None) -> Batch:
     """Pad rows into a Batch. Groups must be contiguous and numbered 0, 1, ... in order (asserted here,
     once: the shared-prompt forward and the advantage estimators read `group` and nothing else). A row
-    with `trained` False keeps its tokens (the forward sees them) but its completion mask is all 0."""
+    with `trained` False keeps its tokens (the forward sees them) but its completion mask is all 0; a
+    multi-turn row's `model_masks` entry (1 sampled, 0 a tool's token) keeps its tool tokens out of the mask."""
     if any(b not in (a, a + 1) for a, b in zip([-1] + group[:-1], group)) or (group and group[0] != 0):
         raise ValueError(f"rows must come in contiguous groups numbered 0, 1, ...; got {group}")
     lp = max(map(len, prompt_ids), default=0)  # (no rows: a process whose groups were all dropped)
@@ -133,10 +138,13 @@ def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], re
         if c:
             ids[i, lp:lp + len(c)] = torch.tensor(c)
             cmask[i, :len(c)] = float(trained[i])
+            if model_masks is not None and model_masks[i] is not None:
+                cmask[i, :len(c)] *= torch.tensor(model_masks[i], dtype=cmask.dtype)  # [len(c)]: tool tokens 0
             if sampler_logps is not None:
                 slogps[i, :len(c)] = torch.tensor(sampler_logps[i])
     valid = torch.ones(r, dtype=torch.bool) if reward_valid is None else torch.tensor(reward_valid, dtype=torch.bool)
-    info = RowInfo(tuple(map(len, prompt_ids)), tuple(map(len, completion_ids)), tuple(group), tuple(trained))
+    tools = None if model_masks is None else tuple(0 if m is None else len(m) - sum(m) for m in model_masks)
+    info = RowInfo(tuple(map(len, prompt_ids)), tuple(map(len, completion_ids)), tuple(group), tuple(trained), tools)
     components = None
     if component_rewards is not None:  # (no rows: [0, 0]; the estimator knows K from the config)
         k = len(component_rewards[0]) if component_rewards else 0

@@ -81,6 +81,13 @@ class Engine:
         step `step`, which messages name)."""
         raise NotImplementedError
 
+    def continue_rows(self, ids: list[list[int]], seeds: list[int], version: int, step: int | None,
+                      max_new_tokens: int) -> Generation:
+        """One more assistant turn of each multi-turn row (multiturn.run_turns): row r continues from its
+        token ids `ids[r]` (prompt and completion so far, never re-tokenised) with seed `seeds[r]`, at most
+        `max_new_tokens` tokens."""
+        raise NotImplementedError(f"engine {self.name} samples single turns only")
+
     def submit(self, prompts: list[str], seeds: list[int], version: int, step: int) -> Future:
         """`generate` started: its Generation comes through the future (here: at once, in this process)."""
         done: Future = Future()
@@ -159,6 +166,13 @@ class LocalEngine(Engine):
             set_peft_model_state_dict(self.model, self.versions[version], adapter_name="default")
         return sample_rows(self.model, self.tokenizer, self.ctx.cfg.rollout, prompts, seeds, self.ctx.lockstep)
 
+    def continue_rows(self, ids: list[list[int]], seeds: list[int], version: int, step: int | None,
+                      max_new_tokens: int) -> Generation:
+        from .rollout import sample_rows
+
+        return sample_rows(self.model, self.tokenizer, self.ctx.cfg.rollout, ids, seeds, self.ctx.lockstep,
+                           num_generations=1, max_new_tokens=max_new_tokens)
+
 
 def _own_policy(cfg: Config) -> tuple[torch.nn.Module, object]:
     """(model, tokenizer): a copy of the policy for a worker process, the base model with the run's LoRA
@@ -229,6 +243,13 @@ class VLLMColocated(Engine):
         return self.engine.generate(prompts, num_return_sequences=r.num_generations, row_seeds=seeds,
                                     max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
                                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                                    version=version if self.owns_versions else None)
+
+    def continue_rows(self, ids: list[list[int]], seeds: list[int], version: int, step: int | None,
+                      max_new_tokens: int) -> Generation:
+        r = self.ctx.cfg.rollout
+        return self.engine.generate(ids, num_return_sequences=1, row_seeds=seeds, max_new_tokens=max_new_tokens,
+                                    min_new_tokens=0, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                                     version=version if self.owns_versions else None)
 
     def close(self) -> None:

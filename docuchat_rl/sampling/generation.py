@@ -59,6 +59,12 @@ class Generation:
     truncated: list[bool]  # True when no EOS was produced within max_new_tokens
     logps: list[list[float]]  # per row: each completion token's log-prob under the distribution it was drawn from
     seconds: float | None = None  # sampled ahead (a fixed lag): the engine's own wall seconds for these rows
+    # multi-turn rollouts (multiturn.run_turns): the completion is model and tool tokens
+    model_mask: list[list[int]] | None = None  # per row, per completion token: 1 sampled by the model, 0 a tool's
+    turns: list[list] | None = None  # per row, its multiturn.Turn records
+    conversations: list[list[dict]] | None = None  # per row, the completion as chat messages (TRL's shape)
+    environments: list | None = None  # per row, its environment instance (rewards get them as `environments`)
+    dropped_groups: tuple[int, ...] = ()  # prompts (of these rows, in order) whose environment failed to reset
 
 
 @dataclass
@@ -276,7 +282,7 @@ def _plain_generation_config(model):
 
 @torch.no_grad()
 @in_compute_context
-def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sample: bool,
+def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
              row_seeds: list[int] | None = None, lockstep=None, grouped_decode: bool = True) -> Generation:
@@ -321,8 +327,7 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
         start = starts[k]
         k += 1
         chunk = prompts[start:start + per_call]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
-                        add_special_tokens=False).to(device)
+        enc = _encode(tokenizer, chunk, pad, device)
         uniforms = None
         if row_seeds is not None and do_sample:
             first = start * num_return_sequences
@@ -347,6 +352,18 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, do_sa
             out.logps.append(logps[r][:n])
             out.truncated.append(cut is None)
     return out
+
+
+def _encode(tokenizer, chunk: list[str] | list[list[int]], pad: int, device) -> dict[str, torch.Tensor]:
+    """Left-padded input_ids and attention_mask [U, L] of prompt texts or of token ids (a multi-turn
+    conversation so far, never re-tokenised)."""
+    if chunk and not isinstance(chunk[0], str):
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(c)) + list(c) for c in chunk], dtype=torch.long)  # [U, L]
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk], dtype=torch.long)  # [U, L]
+        return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+    return tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left",
+                     add_special_tokens=False).to(device)
 
 
 class _LogpRecorder:

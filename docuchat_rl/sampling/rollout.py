@@ -8,9 +8,10 @@ groups, as tensors) and the trace records are made, so the two can never disagre
 
 Completions are scored by `scoring.score`, as in evaluation; trace records are built by `traces.py`.
 
-Deliberately left out: multi-turn rollouts (tool calls, environments: a completion is one assistant turn)
-and engines outside the trainer's processes (a vLLM server); an engine must return what
-`generation.Generation` holds, the sampler's per-token log-probs included.
+With tools or an environment (`multiturn.py`) a completion is several assistant turns with tool results
+between them; the engine samples each turn, the collector's `multiturn` runs the loop.
+
+An engine must return what `generation.Generation` holds, the sampler's per-token log-probs included.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..learning.batch import Batch, build_batch
 from ..modeling import merged_adapter
 from ..traces import TraceRecord, completion_fields
 from .generation import Generation, generate, row_seed
+from .multiturn import turns_json
 from .scoring import score
 
 if TYPE_CHECKING:
@@ -65,6 +67,8 @@ class Completion:
     reward: RewardRecord
     used: bool  # False when dynamic sampling dropped its group (traced, not trained on)
     group: int | None  # index among the step's used groups (of all processes); None when not used
+    model_mask: list[int] | None = None  # multi-turn: 1 on the tokens the model sampled, 0 on tool tokens
+    turns: list | None = None  # multi-turn: its multiturn.Turn records
 
 
 @dataclass
@@ -101,6 +105,7 @@ class Rollout:
                            [local[c.group] for c in used], pad_id, sampler_logps=[c.sampler_logps for c in used],
                            reward_valid=[not c.reward.total_missing for c in used],
                            trained=[not (mask_truncated and c.truncated) for c in used],
+                           model_masks=[c.model_mask for c in used] if any(c.model_mask for c in used) else None,
                            component_rewards=[[nan if r.raw is None or r.error else r.raw
                                                for r in c.reward.components.values()] for c in used])
 
@@ -115,7 +120,7 @@ class Rollout:
             used_i += c.used
             records.append((c.slot, TraceRecord(
                 run_id=run_id, step=step, group=c.group, used=c.used, algorithm=algo, slot=c.slot, seed=c.seed,
-                completion_ids=list(c.ids), adapter_sha256=self.adapter_sha256,
+                completion_ids=list(c.ids), adapter_sha256=self.adapter_sha256, turns=turns_json(c.turns),
                 policy_version=step - 1 if self.policy_version is None else self.policy_version,
                 **(coordinate or {}),
                 **completion_fields(c.example, c.sample, c.text, len(c.ids), c.truncated, c.reward))))
@@ -134,15 +139,17 @@ def rewards_varied(group: list[RewardRecord]) -> bool:
     return len(totals) > 1 and max(totals) - min(totals) > 1e-8
 
 
-def sample_rows(model, tokenizer, r: RolloutConfig, prompts: list[str], seeds: list[int] | None,
-                lockstep=None) -> Generation:
+def sample_rows(model, tokenizer, r: RolloutConfig, prompts: list[str] | list[list[int]], seeds: list[int] | None,
+                lockstep=None, num_generations: int | None = None, max_new_tokens: int | None = None) -> Generation:
     """G completions of each prompt with the rollout's settings (merged adapter, engine, grouped decode), each
-    row from its own seed: a step's sampling, in the learner's process or in a fixed lag's worker (lag.py)."""
+    row from its own seed: a step's sampling, in the learner's process or in a fixed lag's worker (lag.py).
+    A multi-turn row's next turn: its token ids as the prompt, one completion, at most `max_new_tokens`."""
     with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
-        return generate(model, tokenizer, prompts, max_new_tokens=r.max_new_tokens, do_sample=True,
+        return generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens or r.max_new_tokens, do_sample=True,
                         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
-                        num_return_sequences=r.num_generations, engine=r.engine, min_new_tokens=r.min_new_tokens,
-                        row_seeds=seeds, lockstep=lockstep, grouped_decode=r.grouped_decode)
+                        num_return_sequences=num_generations or r.num_generations, engine=r.engine,
+                        min_new_tokens=0 if max_new_tokens else r.min_new_tokens, row_seeds=seeds, lockstep=lockstep,
+                        grouped_decode=r.grouped_decode)
 
 
 class Collector:
@@ -163,17 +170,29 @@ class Collector:
         self.dist = dist or Dist()
         self.lockstep = lockstep  # sharded generation: every process makes the same model calls (generation.py)
         self.ahead = None  # a fixed lag's worker process (lag.Ahead), set by run.start_run
+        self.multiturn = None  # tools or an environment (multiturn.MultiTurn), set by run.py
         self.taken: dict[int, dict] = {}  # step -> data position after its prompts were taken
 
     def sample(self, model, idx: list[int], seeds: list[int], version: int, step: int) -> tuple[Generation, list[str]]:
         """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts, sampled by
         adapter `version`; `seeds` gives each row its own random stream."""
         model.eval()
-        prompts = [self.prompt_texts[i] for i in idx]
-        if self.engine is not None:
-            gen = self.engine.generate(prompts, seeds, version, step)
+
+        def first(ids: list[int]) -> Generation:
+            texts = [self.prompt_texts[i] for i in ids]
+            if self.engine is not None:
+                return self.engine.generate(texts, seeds, version, step)
+            return sample_rows(model, self.tokenizer, self.cfg, texts, seeds, self.lockstep)
+
+        def more(ids: list[list[int]], row_seeds: list[int], max_new_tokens: int) -> Generation:
+            if self.engine is not None:
+                return self.engine.continue_rows(ids, row_seeds, version, step, max_new_tokens)
+            return sample_rows(model, self.tokenizer, self.cfg, ids, row_seeds, self.lockstep, 1, max_new_tokens)
+
+        if self.multiturn is not None:
+            gen = self.multiturn.sample(idx, [self.examples[i] for i in idx], seeds, first, more)
         else:
-            gen = sample_rows(model, self.tokenizer, self.cfg, prompts, seeds, self.lockstep)
+            gen = first(idx)
         return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
 
     def collect(self, model, timer: Timer, step: int, version: int | None = None) -> Rollout:
@@ -206,9 +225,13 @@ class Collector:
                 records = result.records
                 for key, values in result.metrics.items():
                     logged.setdefault(key, []).extend(values)
-                varied = [g == 1 or rewards_varied(records[p * g:(p + 1) * g]) for p in range(len(idx))]
+                varied = [(g == 1 or rewards_varied(records[p * g:(p + 1) * g])) and p not in gen.dropped_groups
+                          for p in range(len(idx))]
             if not r.dynamic_sampling:
-                varied = [True] * n  # every group is used
+                varied = [True] * n  # every group is used (but a failed environment's)
+                if self.multiturn is not None:
+                    varied = [p not in gen.dropped_groups for p in range(len(idx))]
+                    varied = dist.gather(varied) if dist.active else varied
             elif dist.active:
                 varied = dist.gather(varied)  # the whole round's flags, in slot order
             group_of = []  # the step-wide group of each of the round's prompts (None: dropped)
@@ -262,7 +285,9 @@ class Collector:
         return [Completion(example=examples[i], slot=slots[i // g], sample=i % g, seed=seeds[i],
                            prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i], sampler_logps=gen.logps[i],
                            text=texts[i], truncated=gen.truncated[i], reward=records[i],
-                           used=groups[i // g] is not None, group=groups[i // g]) for i in range(len(examples))]
+                           used=groups[i // g] is not None, group=groups[i // g],
+                           model_mask=gen.model_mask[i] if gen.model_mask else None,
+                           turns=gen.turns[i] if gen.turns else None) for i in range(len(examples))]
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state` (for shaping by training progress): a

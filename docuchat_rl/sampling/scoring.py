@@ -37,6 +37,11 @@ def score(reward: CompositeReward, examples: list[Example], texts: list[str], ge
     columns = reward_inputs(examples, [len(c) for c in gen.completion_ids], gen.truncated)
     if trainer_state is not None:
         columns["trainer_state"] = trainer_state
+    if gen.conversations is not None:  # multi-turn: TRL's conversational shapes, the environments as a column
+        prompts = [list(e.messages or [{"role": "user", "content": e.question}]) for e in examples]
+        if gen.environments is not None and any(env is not None for env in gen.environments):
+            columns["environments"] = gen.environments
+        return reward(prompts, gen.conversations, completion_ids=gen.completion_ids, **columns)
     if any(e.messages for e in examples):  # a conversational data set: TRL's shapes (our rewards read either)
         prompts: list = [list(e.messages or [{"role": "user", "content": e.question}]) for e in examples]
         completions: list = [[{"role": "assistant", "content": t}] for t in texts]

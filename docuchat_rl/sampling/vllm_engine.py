@@ -150,7 +150,7 @@ class VLLMEngine:
                                                                   is_checkpoint_format=True))
         self.llm.reset_prefix_cache()
 
-    def generate(self, prompts: list[str], *, num_return_sequences: int, row_seeds: list[int] | None,
+    def generate(self, prompts: list[str] | list[list[int]], *, num_return_sequences: int, row_seeds: list[int] | None,
                  max_new_tokens: int, min_new_tokens: int, temperature: float, top_p: float, top_k: int,
                  version: int | None = None) -> Generation:
         """`num_return_sequences` completions per prompt, rows prompt-major (as generation.generate); with
@@ -161,7 +161,8 @@ class VLLMEngine:
         g = num_return_sequences
         if row_seeds is not None and len(row_seeds) != len(prompts) * g:
             raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts) * g} rows")
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        ids = [list(p) if not isinstance(p, str) else self.tokenizer(p, add_special_tokens=False)["input_ids"]
+               for p in prompts]  # (token ids: a multi-turn conversation so far)
         requests, params = [], []
         for i, p in enumerate(ids):
             for s in range(g):

@@ -190,19 +190,27 @@ class VLLMServer(Engine):
 
     # ----------------------------------------------------------------------------------------- sampling
     def generate(self, prompts: list[str], seeds: list[int], version: int, step: int | None = None) -> Generation:
-        r = self.ctx.cfg.rollout
-        g = r.num_generations
-        if len(seeds) != len(prompts) * g:
-            raise ValueError(f"{len(seeds)} row seeds for {len(prompts) * g} rows")
-        t0 = time.perf_counter()
-        tok = self.ctx.tokenizer
+        r, tok = self.ctx.cfg.rollout, self.ctx.tokenizer
         ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        return self._sample(ids, r.num_generations, seeds, version, step, r.max_new_tokens, r.min_new_tokens)
+
+    def continue_rows(self, ids: list[list[int]], seeds: list[int], version: int, step: int | None,
+                      max_new_tokens: int) -> Generation:
+        return self._sample([list(i) for i in ids], 1, seeds, version, step, max_new_tokens, 0)
+
+    def _sample(self, ids: list[list[int]], g: int, seeds: list[int], version: int, step: int | None,
+                max_new_tokens: int, min_new_tokens: int) -> Generation:
+        """`g` completions of each prompt's token ids, row r from seeds[r], one request per row."""
+        r = self.ctx.cfg.rollout
+        if len(seeds) != len(ids) * g:
+            raise ValueError(f"{len(seeds)} row seeds for {len(ids) * g} rows")
+        t0 = time.perf_counter()
         futures = []
         for i, p in enumerate(ids):
             url = self.urls[i % len(self.urls)]  # (a prompt's rows on one server: its prefix cache)
             for s in range(g):
                 body = {"model": self.name(version), "prompt": p, "n": 1, "seed": seeds[i * g + s],
-                        "max_tokens": r.max_new_tokens, "min_tokens": r.min_new_tokens, "temperature": r.temperature,
+                        "max_tokens": max_new_tokens, "min_tokens": min_new_tokens, "temperature": r.temperature,
                         "top_p": r.top_p, "top_k": r.top_k if r.top_k > 0 else -1, "logprobs": 0,
                         "stop_token_ids": self.stop, "ignore_eos": False, "skip_special_tokens": True,
                         "return_token_ids": True, "repetition_penalty": 1.0, "presence_penalty": 0.0,

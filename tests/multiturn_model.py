@@ -1,0 +1,57 @@
+"""A real model that calls tools: the embedded default, fine-tuned in a few seconds to answer the text
+protocol's prompt with a tool call (`docuchat_rl/sampling/multiturn.py`), so that the tests sample real
+multi-turn conversations (the committed model never saw a tool)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .conftest import MODEL
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+
+def teach_tool_calls(out: Path, steps: int = 150) -> Path:
+    """The embedded model, taught for `steps` full fine-tuning steps that after a prompt listing tools it
+    writes CALL and, after a tool result, a short answer; saved with its tokenizer in `out`."""
+    import torch
+
+    from docuchat_rl.config import load_config
+    from docuchat_rl.data import load_split, prompt_turns
+    from docuchat_rl.modeling import load_model_and_tokenizer
+    from docuchat_rl.sampling.multiturn import Protocol, ToolSource
+
+    if (out / "model.safetensors").exists():
+        return out
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
+    cfg = load_config(None)
+    examples = load_split(cfg.data, "train")[:16]
+    source = ToolSource.load(["tests.tool_envs.add"], "tests.tool_envs.Counter")
+    protocol = Protocol(tok, source.schemas, "text")
+    texts = []
+    for e in examples:
+        messages, kw = protocol.prompt_messages(prompt_turns(e.question, cfg.data.system_prompt))
+        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+        texts.append((prompt, CALL + tok.eos_token))
+    suffix = protocol.result_ids([("add", "5")])
+    answer = tok("<think>\n2 + 3 = 5\n</think>\n<answer>5</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    model.train()
+    for step in range(steps):
+        prompt, call = texts[step % len(texts)]
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        c = tok(call, add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([p + c + suffix + answer])
+        labels = torch.tensor([[-100] * len(p) + c + [-100] * len(suffix) + answer])
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "taught.json").write_text(json.dumps({"steps": steps, "final_loss": float(loss.detach())}) + "\n")
+    return out

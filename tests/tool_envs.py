@@ -1,0 +1,89 @@
+"""Tools and environments the multi-turn tests name by dotted path (as a user's recipe would)."""
+
+import asyncio
+import sys
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+async def slow_double(x: int) -> int:
+    """Double a number after a pause.
+
+    Args:
+        x: The number.
+    """
+    await asyncio.sleep(0.5)
+    return 2 * x
+
+
+def hang(x: int) -> str:
+    """Never return.
+
+    Args:
+        x: Anything.
+    """
+    time.sleep(3600)
+    return "never"
+
+
+def leave(x: int) -> str:
+    """Exit the process.
+
+    Args:
+        x: Anything.
+    """
+    sys.exit(3)
+
+
+def nothing(x: int) -> None:
+    """Return nothing.
+
+    Args:
+        x: Anything.
+    """
+
+
+def shout(text: str) -> str:
+    """Repeat a text many times.
+
+    Args:
+        text: The text.
+    """
+    return (text + " ") * 500
+
+
+class Counter:
+    """An environment written the way TRL's docs write one: reset(**row), public methods as tools, get_reward."""
+
+    def reset(self, **row) -> str | None:
+        self.calls = 0
+        self.answer = row.get("answer", "")
+        return None
+
+    def increment(self, step: int) -> str:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.calls += step
+        return f"counter is {self.calls}"
+
+    def get_reward(self) -> float:
+        return float(self.calls > 0)
+
+
+class BrokenReset(Counter):
+    def reset(self, **row):
+        if "7" in str(row.get("question", "")):
+            raise RuntimeError("no room for this row")
+        return super().reset(**row)
