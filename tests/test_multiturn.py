@@ -1,0 +1,315 @@
+"""Multi-turn rollouts (sampling/multiturn.py): the protocol's parsing and tool-result tokens, tool faults and
+limits, and whole conversations sampled by a real model that calls tools (the embedded default taught to call
+one, tests/multiturn_model.py): the trained tokens are the sampled ones, tool tokens are out of the loss and
+its gradient, the sampler's log-probs equal a teacher-forced forward, TRL's environment class trains through
+the CLI, and a resumed run equals the uninterrupted one."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from docuchat_rl.config import ConfigError
+from docuchat_rl.outputs import read_jsonl
+from docuchat_rl.sampling.multiturn import (
+    Protocol,
+    ToolCall,
+    ToolSource,
+    TurnLimits,
+    call_tools,
+    run_turns,
+    turn_seed,
+)
+from docuchat_rl.trainer import Trainer, TrainingError
+
+from .conftest import MODEL, ROOT
+from .multiturn_model import CALL, teach_tool_calls
+from .test_trainer import cfg_for, untimed
+
+# Qwen2.5's tool-calling template, cut to what it renders for tools, assistant calls and tool results
+HERMES_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n# Tools\\n<tools>' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}"
+    "{% endfor %}{{ '\\n</tools><|im_end|>\\n' }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}{{ '<|im_start|>assistant\\n' + m.content }}"
+    "{%- for c in m.tool_calls %}{{ '\\n<tool_call>\\n{\"name\": \"' + c.function.name + '\", \"arguments\": ' + "
+    "(c.function.arguments | tojson) + '}\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="session")
+def taught(tmp_path_factory):
+    return teach_tool_calls(tmp_path_factory.mktemp("taught"))
+
+
+def _source():
+    return ToolSource.load(["tests.tool_envs.add", "tests.tool_envs.slow_double"], None)
+
+
+def test_calls_are_parsed_in_the_hermes_and_llama3_formats_and_malformed_ones_are_the_models(tok):
+    p = Protocol(tok, _source().schemas, "text")
+    calls = p.parse('sum: <tool_call>{"name": "add", "arguments": {"a": 2, "b": "3"}}</tool_call> and '
+                    '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 1}"}</tool_call>')
+    assert [(c.name, c.arguments, c.error) for c in calls] == [("add", {"a": 2, "b": "3"}, None),
+                                                               ("add", {"a": 1, "b": 1}, None)]
+    assert [c.error.split(":")[0] for c in p.parse("<tool_call>{'name': 1}</tool_call> <tool_call>{\"name\": \"a\"")] \
+        == ["malformed", "malformed"]
+    assert p.parse("no call, just <answer>5</answer>") == []
+    p.format = "llama3"
+    assert [(c.name, c.arguments) for c in p.parse('<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}')] \
+        == [("add", {"a": 1, "b": 2})]
+
+
+@pytest.mark.parametrize("mode", ["text", "template"])
+def test_tool_results_become_the_tokens_the_template_renders_after_an_assistant_turn(tok, mode):
+    """The appended ids are exactly what the chat template renders for the whole conversation after the
+    assistant's end-of-turn token: no re-tokenising of the history, no drift at the boundary."""
+    if mode == "template":
+        tok = type(tok).from_pretrained(MODEL)
+        tok.chat_template = HERMES_TEMPLATE
+    p = Protocol(tok, _source().schemas, "auto")
+    assert p.template == (mode == "template")
+    prompt = [{"role": "user", "content": "What is 2 + 3?"}]
+    messages, kw = p.prompt_messages(prompt)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    assert "add(a: integer, b: integer)" in text if mode == "text" else '"name": "add"' in text
+    turn = tok(CALL, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids = tok(text, add_special_tokens=False)["input_ids"] + turn + p.result_ids([("add", "5"), ("add", "7")])
+    if mode == "template":  # the template's own rendering of the same conversation, tokenised whole
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+        whole = tok.apply_chat_template(messages + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                                                    {"role": "tool", "name": "add", "content": "5"},
+                                                    {"role": "tool", "name": "add", "content": "7"}],
+                                        tokenize=False, add_generation_prompt=True, **kw)
+        tail = whole[whole.rindex("</tool_call>") + len("</tool_call>"):]  # (after the call's text)
+    else:
+        tail = "<|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>\n<tool_response>\n7\n" \
+               "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(ids).endswith(tail)
+
+
+def test_tool_faults_are_told_to_the_model_and_async_tools_run_concurrently():
+    from tests import tool_envs as t
+
+    named = {f.__name__: f for f in (t.add, t.slow_double, t.hang, t.leave, t.nothing)}
+    calls = [ToolCall("add", {"a": 2, "b": 3}, ""), ToolCall("add", {"a": 2}, ""), ToolCall("hang", {"x": 1}, ""),
+             ToolCall("leave", {"x": 1}, ""), ToolCall("nothing", {"x": 1}, ""), ToolCall("nope", {}, ""),
+             ToolCall("slow_double", {"x": 4}, ""), ToolCall("slow_double", {"x": 5}, "")]
+    t0 = time.perf_counter()
+    call_tools([calls[:4], calls[4:]], [named, named], timeout_s=1.0)
+    elapsed = time.perf_counter() - t0
+    assert [c.result for c in calls[:1] + calls[6:]] == ["5", "8", "10"]
+    errors = [c.error for c in calls]
+    assert errors[0] is None and errors[1].startswith("TypeError") and errors[2] == "timeout"
+    assert errors[3] == "sys.exit(3)" and errors[4] == "returned NoneType" and errors[5] == "unknown tool"
+    assert all(c.result.startswith("Error: ") for c in calls[1:6])
+    assert elapsed < 1.9, elapsed  # the hang's 1 s limit and the two 0.5 s async calls overlap
+
+
+class _Sampler:
+    """Sampling with the taught model through our engine, as the collector does."""
+
+    def __init__(self, model_dir, max_new_tokens):
+        from docuchat_rl.config import load_config
+        from docuchat_rl.modeling import load_model_and_tokenizer
+
+        self.model, self.tok = load_model_and_tokenizer(str(model_dir), dtype="float32", device="cpu")
+        self.cfg = load_config(None, ["rollout.num_generations=4", f"rollout.max_new_tokens={max_new_tokens}"])
+        self.cfg = self.cfg.for_device("cpu")
+        self.seen = []  # every `more` call's (ids, sampled rows)
+
+    def first(self, prompts, seeds):
+        from docuchat_rl.sampling.rollout import sample_rows
+
+        return sample_rows(self.model, self.tok, self.cfg.rollout, prompts, seeds)
+
+    def more(self, ids, seeds, n):
+        from docuchat_rl.sampling.rollout import sample_rows
+
+        gen = sample_rows(self.model, self.tok, self.cfg.rollout, ids, seeds, None, 1, n)
+        self.seen.append((ids, gen))
+        return gen
+
+
+def _conversations(taught, limits: TurnLimits, rows=8):
+    s = _Sampler(taught, limits.max_new_tokens)
+    source = ToolSource.load(["tests.tool_envs.add"], None)
+    p = Protocol(s.tok, source.schemas, "text")
+    from docuchat_rl.data import load_split, prompt_turns
+
+    e = load_split(s.cfg.data, "train")[:rows // 4]
+    texts = [s.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **kw) for m, kw in
+             (p.prompt_messages(prompt_turns(x.question, s.cfg.data.system_prompt)) for x in e)]
+    seeds = list(range(100, 100 + rows))
+    tools = [{"add": source.functions[0]} for _ in seeds]
+    return s, p, run_turns(s.first(texts, seeds), s.more, seeds, tools, p, limits)
+
+
+def test_a_conversation_is_the_sampled_tokens_and_the_tool_tokens_turn_by_turn(taught):
+    s, p, gen = _conversations(taught, TurnLimits(192, 3, 8, 5.0, 64))
+    assert any(len(t) > 1 for t in gen.turns), "the taught model made no call that ran"
+    for r, (ids, mask, turns) in enumerate(zip(gen.completion_ids, gen.model_mask, gen.turns)):
+        at = 0
+        for k, turn in enumerate(turns):
+            model = ids[at:at + turn.model_tokens]
+            assert all(mask[at:at + turn.model_tokens])
+            if k:  # this turn is what the engine sampled for this row from its whole history, with its turn seed
+                calls = [(h, g) for h, g in s.seen if gen.prompt_ids[r] + ids[:at] in h]
+                h, g = calls[k - 1]
+                assert g.completion_ids[h.index(gen.prompt_ids[r] + ids[:at])][:turn.model_tokens] == model
+            at += turn.model_tokens
+            tool = ids[at:at + turn.env_tokens]
+            assert not any(mask[at:at + turn.env_tokens])
+            if turn.env_tokens:
+                results = [(c.name or "tool", gen.conversations[r][2 * k + 1 + j]["content"])
+                           for j, c in enumerate(turn.calls)]
+                assert tool == p.result_ids(results)
+                assert turn.calls[0].result == "5" or turn.calls[0].error
+            at += turn.env_tokens
+        assert at == len(ids) and len(ids) <= 192
+    assert turn_seed(7, 1) != turn_seed(7, 2) != 7
+
+
+def test_model_token_log_probs_equal_a_teacher_forced_forward_and_tool_tokens_get_no_gradient(taught):
+    from docuchat_rl.learning.batch import build_batch
+    from docuchat_rl.learning.losses import token_logprobs
+
+    s, _, gen = _conversations(taught, TurnLimits(192, 3, 8, 5.0, 64))
+    batch = build_batch(gen.prompt_ids, gen.completion_ids, [float(i % 2) for i in range(8)], [0] * 4 + [1] * 4,
+                        s.tok.pad_token_id, sampler_logps=gen.logps, model_masks=gen.model_mask)
+    tools = [len(m) - sum(m) for m in gen.model_mask]
+    assert sum(tools) > 0 and batch.info.tool_tokens == tuple(tools)
+    assert batch.info.loss_lens == tuple(len(m) - k for m, k in zip(gen.model_mask, tools))
+    logits = s.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+    lp = batch.prompt_width
+    logps = token_logprobs(logits[:, lp - 1:-1], batch.completion_ids)  # [R, T] teacher-forced
+    m = batch.completion_mask.bool()
+    assert torch.allclose(logps[m], batch.sampler_logps[m], atol=2e-3), (logps[m] - batch.sampler_logps[m]).abs().max()
+    leaf = logps.detach().requires_grad_(True)
+    from docuchat_rl.config import load_config
+    from docuchat_rl.learning.algorithms import get_algorithm_class
+    from docuchat_rl.learning.forward import PolicyOutput
+    from docuchat_rl.learning.losses import Normalisers
+
+    cfg = load_config(None, ["rollout.num_generations=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=192"])
+    algo = get_algorithm_class(cfg.algorithm.name)(cfg)
+    algo.advantages(batch)
+    batch.old_logps = batch.sampler_logps
+    loss, _ = algo.loss(PolicyOutput(leaf, None, None), batch,
+                        Normalisers(rows=8, tokens=float(sum(batch.info.loss_lens)), max_new_tokens=192))
+    (grad,) = torch.autograd.grad(loss, leaf)
+    tool_positions = (~m) & (torch.arange(grad.shape[1]) < torch.tensor([len(c) for c in gen.completion_ids])[:, None])
+    assert tool_positions.any() and grad[tool_positions].abs().max() == 0
+    assert grad[m].abs().max() > 0
+
+
+def test_turn_and_call_limits_hold(taught):
+    _, _, gen = _conversations(taught, TurnLimits(192, 1, 8, 5.0, 64))  # one turn: calls parsed, never run
+    assert all(len(t) == 1 for t in gen.turns)
+    stopped = [t[0] for t in gen.turns if t[0].ended == "max_turns"]
+    assert stopped and all(c.error in ("max_turns",) or c.error.startswith("malformed")
+                           for t in stopped for c in t.calls)
+    _, _, none = _conversations(taught, TurnLimits(192, 3, 0, 5.0, 64))  # 0 calls means none, not unlimited
+    assert all(len(t) == 1 for t in none.turns)
+    called = [c for t in none.turns for c in t[0].calls]
+    assert called and all(c.error == "max_tool_calls" for c in called if c.name)
+    _, _, cut = _conversations(taught, TurnLimits(192, 3, 8, 5.0, 2))  # results cut to 2 tokens, said so
+    shown = [c for t in cut.turns for turn in t if turn.ended == "tools" for c in turn.calls]
+    assert shown and all(c.result_tokens <= 2 for c in shown)
+    assert any(c.truncated for c in shown) and any("[truncated:" in m["content"] for conv in cut.conversations
+                                                   for m in conv if m["role"] == "tool")
+
+
+def _tool_run(tmp_path, taught, *extra):
+    return cfg_for(tmp_path, f"model.name_or_path={taught}", "rollout.tools=[tests.tool_envs.add]",
+                   "rollout.max_new_tokens=192", "rollout.tool_protocol=text", "run.steps=3", "checkpoint.every=1",
+                   *extra)
+
+
+@pytest.mark.slow
+def test_an_environment_trains_through_the_cli_its_reward_traced(tmp_path, taught):
+    """TRL's example environment shape (reset, a tool method, get_reward) named in the recipe, as a TRL user
+    brings it; the environment component is in every trace line."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "docuchat_rl", "train", "--config", str(ROOT / "config" / "default.yaml")]
+    for s in ["rollout.prompts_per_step=2", "rollout.num_generations=4", "logging.progress=false",
+              "eval.before_and_after=false", f"model.name_or_path={taught}", "rollout.max_new_tokens=192",
+              "rollout.environment_factory=tests.tool_envs.Counter", "rollout.tool_protocol=text", "run.steps=2",
+              f"run.output_dir={out}",
+              "rewards=[{name: correctness}, {name: environment, weight: 0.5}]"]:
+        args += ["--set", s]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = read_jsonl(out / "traces.jsonl")
+    assert len(lines) == 16 and all("environment" in r["rewards"] for r in lines)
+    assert all(r["rewards"]["environment"]["raw"] in (0.0, 1.0) for r in lines)
+    assert all(r["turns"] and r["turns"][0]["model_tokens"] > 0 for r in lines)
+
+
+@pytest.mark.slow
+def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, taught):
+    full = Trainer(_tool_run(tmp_path / "full", taught))
+    full.train()
+    full.close()
+    cut = Trainer(_tool_run(tmp_path / "cut", taught))
+    cut.train(stop_after=1)
+    cut.close()
+    cut = Trainer(_tool_run(tmp_path / "cut", taught), resume="latest")
+    cut.train()
+    cut.close()
+    a, b = (read_jsonl(tmp_path / d / "traces.jsonl") for d in ("full", "cut"))
+    assert any(len(r["turns"]) > 1 for r in a)
+    strip = [{k: v for k, v in r.items() if k != "turns"} for r in untimed(a)], \
+        [{k: v for k, v in r.items() if k != "turns"} for r in untimed(b)]
+    assert strip[0] == strip[1]
+    no_seconds = [[[{k: v for k, v in c.items() if k != "seconds"} for c in t["calls"]] for t in r["turns"]]
+                  for r in a], [[[{k: v for k, v in c.items() if k != "seconds"} for c in t["calls"]]
+                                 for t in r["turns"]] for r in b]
+    assert no_seconds[0] == no_seconds[1]
+
+
+def test_an_environment_whose_reset_fails_drops_its_group(tmp_path, taught):
+    t = Trainer(_tool_run(tmp_path, taught, "rollout.tools=[]", "rollout.environment_factory=tests.tool_envs.BrokenReset",
+                          "run.steps=1", "rewards=[{name: correctness}, {name: environment}]",
+                          "rollout.prompts_per_step=4"))
+    with pytest.warns(UserWarning, match="environment reset failed for prompt row .*no room for this row"):
+        t.train()
+    t.close()
+    lines = read_jsonl(tmp_path / "traces.jsonl")
+    broken = {r["prompt_id"] for r in lines if "7" in r["prompt"]}
+    assert broken, "no prompt with a 7 among the step's"
+    assert all(not r["used"] for r in lines if r["prompt_id"] in broken)
+    assert any(r["used"] for r in lines)
+
+
+def test_tool_settings_without_tools_and_bad_tools_fail_early_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.max_turns applies to multi-turn rollouts"):
+        cfg_for(tmp_path, "rollout.max_turns=3")
+    with pytest.raises(ConfigError, match="cannot be used with rollout.async_lag"):
+        cfg_for(tmp_path, "rollout.tools=[tests.tool_envs.add]", "rollout.async_lag=1")
+    with pytest.raises(TrainingError, match=r"rollout.tools.0: cannot import 'tests.tool_envs.nope'"):
+        Trainer(cfg_for(tmp_path, "rollout.tools=[tests.tool_envs.nope]"))
+    with pytest.raises(TrainingError, match="has get_reward\\(\\): add it to the rewards"):
+        Trainer(cfg_for(tmp_path / "b", "rollout.environment_factory=tests.tool_envs.Counter"))
+
+
+def test_turns_are_in_the_trace_schema():
+    from docuchat_rl.traces import columns
+
+    assert columns()["turns"] == "JSON"
+    json.dumps({"turns": [{"calls": []}]})
