@@ -281,6 +281,14 @@ def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, taught)
                   for r in a], [[[{k: v for k, v in c.items() if k != "seconds"} for c in t["calls"]]
                                  for t in r["turns"]] for r in b]
     assert no_seconds[0] == no_seconds[1]
+    # rescoring reads the traced conversations (the rewards score the last assistant turn, as in training)
+    from docuchat_rl.tools.replay import ReplayError, replay, rescore
+
+    result = rescore(tmp_path / "full")
+    assert len(result.lines) == len(a) and result.changed == []
+    assert [r["total"] for r in result.lines] == [r["total"] for r in a]
+    with pytest.raises(ReplayError, match="is a multi-turn completion"):
+        replay(tmp_path / "full", [r for r in a if len(r["turns"]) > 1][:1], progress=False)
 
 
 def test_an_environment_whose_reset_fails_drops_its_group(tmp_path, taught):

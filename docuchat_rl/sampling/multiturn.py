@@ -80,6 +80,7 @@ class Turn:
     """One assistant turn and the tool tokens appended after it."""
 
     model_tokens: int
+    text: str = ""  # the turn as the parser and the rewards read it (special tokens kept, end-of-turn removed)
     calls: list[ToolCall] = field(default_factory=list)
     env_tokens: int = 0  # tool-result tokens appended after the turn (the chat template's framing included)
     ended: str = "answer"  # answer (no call) | tools (results appended, the model goes on) | max_turns |
@@ -379,7 +380,7 @@ def _add_turn(row: RowState, ids: list[int], logps: list[float], truncated: bool
     row.ids += ids
     row.mask += [1] * len(ids)
     row.logps += logps
-    row.turns.append(Turn(len(ids)))
+    row.turns.append(Turn(len(ids), text))
     row.messages.append({"role": "assistant", "content": text})
     row.truncated = truncated
 
@@ -471,6 +472,17 @@ def _truncate(tokenizer, call: ToolCall, cap: int) -> str:
 def turns_json(turns: list[Turn] | None) -> list[dict] | None:
     """A completion's turns as trace JSON."""
     return None if turns is None else [asdict(t) for t in turns]
+
+
+def conversation_of(turns: list[dict]) -> list[dict]:
+    """A traced completion's conversation (`turns` as turns_json wrote them) as TRL's rewards see it: each
+    assistant turn, then the tool results it was shown (rescoring multi-turn traces)."""
+    out = []
+    for t in turns:
+        out.append({"role": "assistant", "content": t["text"]})
+        if t.get("ended") == "tools":
+            out += [{"role": "tool", "name": c["name"] or "tool", "content": c["result"]} for c in t["calls"]]
+    return out
 
 
 def reset_environments(env_cls: type | None, rows: list[dict], group_size: int) -> tuple[list, list[str | None], set[int]]:

@@ -106,6 +106,9 @@ def _check_replayable(traces: list[dict], cfg: dict) -> None:
             raise ReplayError(f"{_where(t)}: the trace line has no replay coordinate (seed, completion_ids, "
                               "sampling): it was written by a docuchat-rl that did not record them")
         _check_types(t)
+        if t.get("turns"):
+            raise ReplayError(f"{_where(t)} is a multi-turn completion (rollout.tools): replaying one is not built "
+                              "yet (`docuchat-rl rescore` rescores it)")
         engine = t["sampling"].get("engine")
         for lib in ("torch", "transformers") + (("vllm",) if engine == "vllm" else ()):
             was = (t.get("versions") or {}).get(lib)
@@ -267,6 +270,7 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
     from ..data import load_split
     from ..learning.algorithms import ActorCritic, get_algorithm_class
     from ..sampling.generation import Generation
+    from ..sampling.multiturn import conversation_of
     from ..sampling.rollout import Completion, Rollout
     from ..sampling.scoring import build_reward, score
 
@@ -303,6 +307,10 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
             examples.append(e)
         ids = [t.get("completion_ids") or [0] * t["completion_tokens"] for t in group]
         gen = Generation([[]] * len(group), ids, [t["truncated"] for t in group], [[]] * len(group))
+        if any(t.get("turns") for t in group):  # multi-turn: the conversations as training scored them (an
+            # environment's own reward cannot be rescored: its instances are gone; the component fails, named)
+            gen.conversations = [conversation_of(t["turns"]) if t.get("turns") else
+                                 [{"role": "assistant", "content": t["completion"]}] for t in group]
         state = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
         new = score(reward, examples, [t["completion"] for t in group], gen, state).records
         adv: list[float | None] = [None] * len(group)
