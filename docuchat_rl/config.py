@@ -443,6 +443,9 @@ class Config(Section):
             if moved:  # (by value: a saved config holds every key)
                 raise ValueError(f"rollout.{moved[0]} applies to multi-turn rollouts (rollout.tools or "
                                  "rollout.environment_factory), and neither is set")
+        elif self.eval.pass_k:
+            raise ValueError("eval.pass_k with rollout.tools or rollout.environment_factory is not built yet: "
+                             "evaluation runs the tool loop greedily (set eval.pass_k: 0)")
         elif r.async_lag:
             raise ValueError("rollout.tools and rollout.environment_factory cannot be used with rollout.async_lag "
                              "yet: the tool loop runs in the learner's process")

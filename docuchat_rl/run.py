@@ -58,7 +58,7 @@ from .modeling import (
 from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir
 from .sampling.engines import Engine, EngineContext, LocalEngine, engine_name, get_engine_class
 from .sampling.lag import Ahead, LaggedPolicies, Lookahead
-from .sampling.multiturn import MultiTurn, Protocol, ToolError, ToolSource, TurnLimits
+from .sampling.multiturn import MultiTurn, ToolError, multiturn_from_config
 from .sampling.rollout import Collector
 from .sampling.scoring import build_reward
 
@@ -287,7 +287,10 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     place.accelerator.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
     place.accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
 
-    multiturn = _multiturn(cfg, tokenizer)
+    try:
+        multiturn = multiturn_from_config(cfg, tokenizer)
+    except ToolError as e:
+        raise TrainingError(str(e)) from None
     prompt_texts = [multiturn.prompt_text(e) if multiturn else
                     render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages) for e in examples]
     _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
@@ -426,28 +429,6 @@ def _optimizer(params, o: OptimConfig, total_updates: int):
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[o.schedule]
     sched = get_scheduler(name, opt, num_warmup_steps=o.warmup_steps, num_training_steps=total_updates)
     return opt, sched
-
-
-def _multiturn(cfg: Config, tokenizer) -> MultiTurn | None:
-    """The tools and environment a multi-turn run calls (loaded, described and checked before anything
-    else is built), or None for single-turn rollouts."""
-    r = cfg.rollout
-    if not r.multi_turn:
-        return None
-    try:
-        source = ToolSource.load(r.tools, r.environment_factory)
-        if not source.schemas:
-            raise ToolError("rollout.tools and rollout.environment_factory give the model no tool to call")
-        protocol = Protocol(tokenizer, source.schemas, r.tool_protocol)
-        protocol.result_ids([(source.schemas[0]["function"]["name"], "0")])  # (a template that cannot append fails now)
-    except ToolError as e:
-        raise TrainingError(str(e)) from None
-    if source.has_reward and "environment" not in {c.name for c in cfg.rewards.components}:
-        raise TrainingError(f"rollout.environment_factory {r.environment_factory} has get_reward(): add it to the "
-                            "rewards as {name: environment, weight: ...} (or remove get_reward)")
-    limits = TurnLimits(r.max_new_tokens, r.max_turns, r.max_tool_calls, r.tool_timeout_s, r.max_tool_result_tokens)
-    return MultiTurn(source, protocol, limits, r.num_generations, cfg.data.system_prompt, cfg.data.prompt_column,
-                     cfg.data.answer_column)
 
 
 def _check_lengths(cfg: Config, tokenizer, examples: list[Example], prompt_texts: list[str],

@@ -183,6 +183,14 @@ def step_metrics(records: list[TraceRecord], names: list[str], accuracy_componen
     m.update({"completion_len/mean": float(lengths.mean()), "completion_len/max": int(lengths.max()),
               "truncated_frac": float(np.mean([r.truncated for r in records])),
               "reward_missing": sum(r.total_missing for r in records)})
+    if any(r.turns is not None for r in records):  # multi-turn: how the model used its tools this step
+        calls = [[c for t in r.turns or [] for c in t["calls"]] for r in records]
+        n = sum(map(len, calls))
+        m.update({"turns/mean": float(np.mean([len(r.turns or []) for r in records])),
+                  "tool_calls/mean": float(np.mean([len(c) for c in calls])),
+                  "tool_call_rate": float(np.mean([bool(c) for c in calls])),
+                  "tool_call_ok_frac": sum(c["error"] is None for cs in calls for c in cs) / n if n else None,
+                  "tool_tokens/mean": float(np.mean([sum(t["env_tokens"] for t in r.turns or []) for r in records]))})
     return m
 
 

@@ -257,6 +257,8 @@ def test_an_environment_trains_through_the_cli_its_reward_traced(tmp_path, taugh
     assert done.returncode == 0, done.stderr[-3000:]
     lines = read_jsonl(out / "traces.jsonl")
     assert len(lines) == 16 and all("environment" in r["rewards"] for r in lines)
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all(m["tool_call_rate"] is not None and m["turns/mean"] >= 1 for m in metrics)
     assert all(r["rewards"]["environment"]["raw"] in (0.0, 1.0) for r in lines)
     assert all(r["turns"] and r["turns"][0]["model_tokens"] > 0 for r in lines)
 
@@ -303,6 +305,18 @@ def test_an_environment_whose_reset_fails_drops_its_group(tmp_path, taught):
     assert broken, "no prompt with a 7 among the step's"
     assert all(not r["used"] for r in lines if r["prompt_id"] in broken)
     assert any(r["used"] for r in lines)
+
+
+def test_evaluation_runs_the_tool_loop_and_reports_tool_use(taught):
+    from docuchat_rl.config import load_config
+    from docuchat_rl.modeling import load_model_and_tokenizer
+    from docuchat_rl.tools.evaluate import evaluate
+
+    model, tok = load_model_and_tokenizer(str(taught), dtype="float32", device="cpu")
+    cfg = load_config(None, ["rollout.tools=[tests.tool_envs.add]", "rollout.max_new_tokens=192", "eval.limit=8"])
+    out = evaluate(model, tok, cfg)
+    assert out["rows"] == 8 and out["tool_call_rate"] > 0 and 0 <= out["tool_call_ok_frac"] <= 1
+    assert out["tool_calls/mean"] >= out["tool_call_rate"]
 
 
 def test_tool_settings_without_tools_and_bad_tools_fail_early_naming_the_key(tmp_path):

@@ -570,3 +570,24 @@ def _observed(turns: list[dict], observation: str | None) -> list[dict]:
         return list(turns)
     last = max(i for i, t in enumerate(turns) if t["role"] == "user")
     return [*turns[:last], {**turns[last], "content": turns[last]["content"] + observation}, *turns[last + 1:]]
+
+
+def multiturn_from_config(cfg, tokenizer, max_new_tokens: int | None = None, group_size: int | None = None
+                          ) -> MultiTurn | None:
+    """The tools and environment a multi-turn run calls (loaded, described and checked before anything is
+    sampled), or None for single-turn rollouts; `max_new_tokens` and `group_size` for evaluation's own."""
+    r = cfg.rollout
+    if not r.multi_turn:
+        return None
+    source = ToolSource.load(r.tools, r.environment_factory)
+    if not source.schemas:
+        raise ToolError("rollout.tools and rollout.environment_factory give the model no tool to call")
+    protocol = Protocol(tokenizer, source.schemas, r.tool_protocol)
+    protocol.result_ids([(source.schemas[0]["function"]["name"], "0")])  # (a template that cannot append fails now)
+    if source.has_reward and "environment" not in {c.name for c in cfg.rewards.components}:
+        raise ToolError(f"rollout.environment_factory {r.environment_factory} has get_reward(): add it to the "
+                        "rewards as {name: environment, weight: ...} (or remove get_reward)")
+    limits = TurnLimits(max_new_tokens or r.max_new_tokens, r.max_turns, r.max_tool_calls, r.tool_timeout_s,
+                        r.max_tool_result_tokens)
+    return MultiTurn(source, protocol, limits, group_size or r.num_generations, cfg.data.system_prompt,
+                     cfg.data.prompt_column, cfg.data.answer_column)

@@ -27,6 +27,7 @@ from ..data import Example, load_split, render_prompt
 from ..distributed import Dist
 from ..modeling import merged_adapter
 from ..sampling.generation import generate, row_seed
+from ..sampling.multiturn import multiturn_from_config
 from ..sampling.scoring import build_reward, score
 from ..traces import reward_means
 
@@ -41,6 +42,8 @@ class EvalRow:
     tokens: int  # greedy completion length
     truncated: bool
     hits: list[float]  # the accuracy component's raw score of each of the pass@k samples (empty when off)
+    calls: int = 0  # multi-turn: tool calls the greedy completion made
+    failed_calls: int = 0  # multi-turn: of them, those that failed (malformed, unknown tool, the tool's error)
 
 
 def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None, dist: Dist | None = None,
@@ -76,6 +79,11 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     # format reward with partial credit scores between 0 and 1: the rate counts the completions that have it)
     out["completion_len/mean"] = float(np.mean([r.tokens for r in rows]))
     out["truncated_frac"] = float(np.mean([r.truncated for r in rows]))
+    if cfg.rollout.multi_turn:
+        calls = sum(r.calls for r in rows)
+        out["tool_calls/mean"] = float(np.mean([r.calls for r in rows]))
+        out["tool_call_rate"] = float(np.mean([r.calls > 0 for r in rows]))
+        out["tool_call_ok_frac"] = (calls - sum(r.failed_calls for r in rows)) / calls if calls else None
     if k:
         hits = np.array([r.hits for r in rows])  # [rows, k]
         out[f"pass@{k}"] = float((hits.max(axis=1) > 0).mean())
@@ -89,15 +97,23 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
     """Greedy completions (and k samples each for pass@k) of `examples`, the rows `first`, first + 1, ...
     of the held-out set, scored."""
     e, r, acc_name = cfg.eval, cfg.rollout, cfg.rewards.accuracy_component
-    prompts = [render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages) for x in examples]
+    multiturn = multiturn_from_config(cfg, tokenizer, max_new, group_size=1)
+    prompts = [multiturn.prompt_text(x) if multiturn else
+               render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages) for x in examples]
 
     def merged():  # a fresh context each time: one sampling pass per `with`
         return merged_adapter(model) if r.merge_adapter else contextlib.nullcontext()
 
-    with merged():
-        gen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=False,
-                       batch_size=e.batch_size, engine=r.engine, grouped_decode=r.grouped_decode,
-                       lockstep=lockstep)
+    def greedy(texts, n=max_new):
+        with merged():
+            return generate(model, tokenizer, texts, max_new_tokens=n, do_sample=False, batch_size=e.batch_size,
+                            engine=r.engine, grouped_decode=r.grouped_decode, lockstep=lockstep)
+
+    if multiturn is not None:  # the tool loop, greedy (a turn's seed draws nothing)
+        gen = multiturn.sample(list(range(len(examples))), examples, [0] * len(examples), lambda _: greedy(prompts),
+                               lambda ids, seeds, n: greedy(ids, n))
+    else:
+        gen = greedy(prompts)
     if k and not examples:  # (sharded generation, no rows here: join the others' sampling calls)
         generate(model, tokenizer, [], max_new_tokens=max_new, do_sample=True, batch_size=e.batch_size,
                  num_return_sequences=k, engine=r.engine, grouped_decode=r.grouped_decode, row_seeds=[],
@@ -118,5 +134,7 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
         sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
         flat = [rec.components[acc_name].raw or 0.0 for rec in sres.records]
         hits = [flat[i * k:(i + 1) * k] for i in range(len(examples))]
+    calls = [[c for t in turns for c in t.calls] for turns in gen.turns] if gen.turns else [[]] * len(examples)
     return [EvalRow(raw={n: rec.components[n].raw for n in reward.names}, tokens=len(ids), truncated=bool(trunc),
-                    hits=h) for rec, ids, trunc, h in zip(res.records, gen.completion_ids, gen.truncated, hits)]
+                    hits=h, calls=len(cs), failed_calls=sum(c.error is not None for c in cs))
+            for rec, ids, trunc, h, cs in zip(res.records, gen.completion_ids, gen.truncated, hits, calls)]
