@@ -310,3 +310,40 @@ def test_a_line_whose_field_has_the_wrong_type_is_skipped_with_its_reason_not_a_
     assert main(["audit", str(p), "--where", "step > 0"]) == 0
     assert main(["audit", str(p)]) == 0
     assert f"skipped malformed line 4 of {p} ({why}" in capsys.readouterr().out.replace("\n", " ").replace("  ", " ")
+
+
+def _tool_turns(text, result, error=None, answer="<answer>4</answer>"):
+    call = {"name": "calculate", "arguments": {"expression": "2 + 2"}, "result": result, "error": error,
+            "result_tokens": 1, "truncated": False, "seconds": 0.01}
+    return [{"model_tokens": 20, "text": text + '<tool_call>{"name": "calculate"}</tool_call>', "calls": [call],
+             "env_tokens": 12, "ended": "tools"},
+            {"model_tokens": 5, "text": answer, "calls": [], "env_tokens": 0, "ended": "answer"}]
+
+
+def test_tool_columns_filters_and_detectors(tmp_path):
+    """Multi-turn lines: tool_calls, tool_errors and the model's own words as columns; failing calls and
+    right answers copied from a tool result with no reasoning are said, reasoned ones are not."""
+    def line(s, i, turns):
+        r = rec(s, s, 0, i, 1.0, 1.0, turns=turns)
+        r["rewards"]["correctness"]["info"]["extracted"] = "4"
+        return r
+
+    copied = [line(s, i, _tool_turns("", "4")) for s in range(1, 5) for i in range(4)]
+    reasoned = [line(s, i, _tool_turns("Two apples and two more make four apples in all. ", "4"))
+                for s in range(1, 5) for i in range(4)]
+    failing = [line(s, i, _tool_turns("Let me add them. ", "Error: TypeError: bad", "TypeError: bad"))
+               for s in range(1, 5) for i in range(4)]
+    with TraceStore([write(tmp_path / "c.jsonl", copied)]) as store:
+        assert store.count("tool_calls = 1 AND tool_errors = 0") == 16
+        found = {f.check: f for f in store.detect(bins=2)}
+        assert found["tool_answer_copied"].fired and not found["tool_errors"].fired
+        assert found["tool_answer_copied"].examples and found["tool_answer_copied"].trace["turns"]
+    with TraceStore([write(tmp_path / "r.jsonl", reasoned)]) as store:
+        assert store.select("tool_calls > 0", limit=1)[0]["reasoning"].startswith("Two apples")
+        assert not fired(store.detect(bins=2)) & {"tool_answer_copied", "tool_errors"}
+    with TraceStore([write(tmp_path / "f.jsonl", failing)]) as store:
+        assert store.count("tool_errors > 0") == 16
+        assert "tool_errors" in fired(store.detect(bins=2))
+    with TraceStore([write(tmp_path / "single.jsonl", clean_run(2))]) as store:  # single-turn: no tool checks
+        assert store.count("tool_calls = 0") == store.rows
+        assert not {f.check for f in store.detect(bins=2)} & {"tool_answer_copied", "tool_errors"}

@@ -284,13 +284,19 @@ def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, taught)
                                  for t in r["turns"]] for r in b]
     assert no_seconds[0] == no_seconds[1]
     # rescoring reads the traced conversations (the rewards score the last assistant turn, as in training)
-    from docuchat_rl.tools.replay import ReplayError, replay, rescore
+    from docuchat_rl.tools.replay import replay, rescore
 
     result = rescore(tmp_path / "full")
     assert len(result.lines) == len(a) and result.changed == []
     assert [r["total"] for r in result.lines] == [r["total"] for r in a]
-    with pytest.raises(ReplayError, match="is a multi-turn completion"):
-        replay(tmp_path / "full", [r for r in a if len(r["turns"]) > 1][:1], progress=False)
+    line = next(r for r in a if len(r["turns"]) > 1 and r["step"] == 2)
+    (same,) = replay(tmp_path / "full", [line], progress=False, say=lambda _: None)
+    assert same.same and same.ids == line["completion_ids"], same.as_dict()
+    turn1 = line["turns"][0]["model_tokens"] + line["turns"][0]["env_tokens"]  # the second turn's first token
+    bent = {**line, "completion_ids": [*line["completion_ids"][:turn1], line["completion_ids"][turn1] ^ 1,
+                                       *line["completion_ids"][turn1 + 1:]]}
+    (moved,) = replay(tmp_path / "full", [bent], progress=False, say=lambda _: None)
+    assert moved.diverges_at == turn1 and moved.as_dict()["diverges_in"] == "turn 1 model"
 
 
 def test_an_environment_whose_reset_fails_drops_its_group(tmp_path, taught):

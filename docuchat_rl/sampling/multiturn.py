@@ -386,11 +386,13 @@ def _add_turn(row: RowState, ids: list[int], logps: list[float], truncated: bool
 
 
 def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int], Generation], seeds: list[int],
-              tools: list[dict[str, Callable]], protocol: Protocol, limits: TurnLimits) -> Generation:
+              tools: list[dict[str, Callable]], protocol: Protocol, limits: TurnLimits,
+              script: dict[int, list[dict]] | None = None) -> Generation:
     """Complete every row of `first` (the rows' first assistant turns) into a multi-turn conversation.
 
     `more(ids, seeds, max_new_tokens)` samples one further turn for each given row (its whole token history,
-    its turn's seed); `tools[r]` are row r's tools by name. Returns the rows' Generation with the completion
+    its turn's seed); `tools[r]` are row r's tools by name; `script` (replay) maps a row's seed to its traced
+    turns, whose results it is given instead of calling the tools while its calls are the traced ones. Returns the rows' Generation with the completion
     as model and tool tokens (`model_mask` 0 on tool tokens, whose log-probs are 0), the turns and the
     conversations (TRL's conversational completions)."""
     tok = protocol.tokenizer
@@ -419,7 +421,8 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
             pending.append(row)
         if not pending:
             break
-        call_tools([r.turns[-1].calls for r in pending], [r.tools for r in pending], limits.tool_timeout_s)
+        live = [r for r in pending if not _scripted(r, script)]
+        call_tools([r.turns[-1].calls for r in live], [r.tools for r in live], limits.tool_timeout_s)
         go = []
         for row in pending:
             last = row.turns[-1]
@@ -449,6 +452,22 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
     return Generation([r.prompt_ids for r in rows], [r.ids for r in rows], [r.truncated for r in rows],
                       [r.logps for r in rows], model_mask=[r.mask for r in rows], turns=[r.turns for r in rows],
                       conversations=[r.messages for r in rows])
+
+
+def _scripted(row: RowState, script: dict[int, list[dict]] | None) -> bool:
+    """Replay: give the row's last turn's calls the traced results, when they are the traced calls (same names
+    and arguments); False (call the tools) otherwise."""
+    traced = (script or {}).get(row.seed)
+    k = len(row.turns) - 1
+    if traced is None or k >= len(traced):
+        return False
+    calls, was = row.turns[-1].calls, traced[k]["calls"]
+    if [(c.name, c.arguments) for c in calls] != [(c["name"], c["arguments"]) for c in was]:
+        return False
+    for c, w in zip(calls, was):
+        if c.error is None or w["error"] is not None:
+            c.result, c.error = w["result"], w["error"]
+    return True
 
 
 def _turn_text(tokenizer, ids: list[int]) -> str:
@@ -516,6 +535,7 @@ class MultiTurn:
                  system_prompt: str | None = None, prompt_column: str = "question", answer_column: str | None = "answer"):
         self.source, self.protocol, self.limits, self.g = source, protocol, limits, group_size
         self.system_prompt, self.prompt_column, self.answer_column = system_prompt, prompt_column, answer_column
+        self.script: dict[int, list[dict]] | None = None  # replay: row seed -> its traced turns (run_turns)
 
     def prompt_text(self, example) -> str:
         """The example's prompt as the run renders it: its turns with the tools."""
@@ -558,7 +578,7 @@ class MultiTurn:
         for tools, env in zip(named, envs):
             if env is not None:
                 tools.update({m.__name__: m for m in environment_methods(env)})
-        out = run_turns(gen, more, seeds, named, self.protocol, self.limits)
+        out = run_turns(gen, more, seeds, named, self.protocol, self.limits, self.script)
         out.environments, out.dropped_groups = envs, tuple(sorted(failed))
         return out
 

@@ -134,6 +134,20 @@ class Finding:
     trace: dict | None = None  # when fired: one whole trace record the check points at (the report shows it)
 
 
+# multi-turn traces (rollout.tools): columns derived from `turns`, for filters (`tool_calls > 2`, `tool_errors > 0`)
+# and the tool detectors; 0, [] and '' on single-turn lines
+TOOL_COLUMNS = [
+    "coalesce(len(json_extract(j, '$.turns[*].calls[*]')), 0) AS tool_calls",
+    "coalesce(len(list_filter(json_extract_string(j, '$.turns[*].calls[*].error'), lambda x: x IS NOT NULL)), 0) "
+    "AS tool_errors",
+    "coalesce(json_extract_string(j, '$.turns[*].calls[*].result'), []) AS tool_results",
+    # the model's own words: its turns without tool calls and without the final answer (<answer>, "#### N")
+    "trim(regexp_replace(regexp_replace(array_to_string(coalesce(json_extract_string(j, '$.turns[*].text'), []), "
+    "' '), '<tool_call>.*?</tool_call>|<answer>.*?</answer>|####.*', '', 'gs'), '[^A-Za-z0-9]+', ' ', 'g')) "
+    "AS reasoning",
+]
+
+
 class TraceStore:
     """One or more trace files as a table `traces`, plus the malformed lines found while loading."""
 
@@ -178,6 +192,7 @@ class TraceStore:
             cols.append(f"{{'raw': CAST({base}->>'raw' AS DOUBLE), 'weight': CAST({base}->>'weight' AS DOUBLE), "
                         f"'weighted': CAST({base}->>'weighted' AS DOUBLE), 'error': {base}->>'error', "
                         f"'info': {base}->'info'}} AS {_q(c)}")
+        cols += TOOL_COLUMNS
         self.con.execute(f"CREATE TABLE traces AS SELECT source, lineno, {', '.join(cols)} FROM good")
         self.con.execute("DROP TABLE good")
         self.rows = self.con.execute("SELECT count(*) FROM traces").fetchone()[0]
@@ -286,7 +301,8 @@ class TraceStore:
 def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", format_name: str = "format",
            min_rise: float = 0.10, min_fall: float = 0.05, length_ratio: float = 2.0,
            repetition_rise: float = 0.10, no_signal_share: float = 0.95, error_share: float = 0.0,
-           truncated_share: float = 0.9, examples: int = 3) -> list[Finding]:
+           truncated_share: float = 0.9, tool_error_share: float = 0.5, copied_share: float = 0.5,
+           examples: int = 3) -> list[Finding]:
     """Named checks for common reward hacking and broken rewards in `store`, first vs last step range."""
     findings: list[Finding] = []
     ranges = store.step_bins(bins)
@@ -348,6 +364,7 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
             f"share >= {truncated_share:.0%} (rewards judge unfinished completions)",
             ex("truncated", cut >= truncated_share, f"step >= {last[0]} AND truncated")))
     _zero_spread(store, findings, traced, no_signal_share)
+    _tools(store, findings, last, accuracy, tool_error_share, copied_share, ex)
     for c in store.components:
         q = _q(c)
         groups, constant = store.con.execute(
@@ -377,6 +394,36 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
             rows = store.select(*traced[f.check], limit=1)
             f.trace = rows[0] if rows else None
     return findings
+
+
+def _tools(store: TraceStore, findings: list[Finding], last: tuple[int, int], accuracy: str, error_share: float,
+           copied_share: float, ex) -> None:
+    """Multi-turn runs: calls that fail (the model cannot use its tools), and right answers copied from a tool
+    result with no words of the model's own around them (the tool did the task; the reward cannot tell)."""
+    in_last = f"step BETWEEN {last[0]} AND {last[1]}"
+    calls, failed, using = store.con.execute(
+        f"SELECT sum(tool_calls), sum(tool_errors), count(*) FILTER (WHERE tool_calls > 0) FROM traces "
+        f"WHERE {in_last}").fetchone()
+    if not calls:
+        return
+    share = failed / calls
+    findings.append(Finding(
+        "tool_errors", share >= error_share,
+        f"{failed} of {calls} tool calls failed in steps {last[0]}-{last[1]} ({share:.1%}; calls per completion "
+        f"{calls / max(1, store.count(in_last)):.2f})",
+        f"failed share >= {error_share:.0%} (malformed calls, unknown tools, tools that raise or time out)",
+        ex("tool_errors", share >= error_share, f"{in_last} AND tool_errors > 0")))
+    if accuracy in store.components and using:
+        right = f"{in_last} AND tool_calls > 0 AND {_q(accuracy)}.raw = 1"
+        copied = (f"{right} AND length(reasoning) < 10 AND "
+                  f"list_contains(tool_results, {_q(accuracy)}.info->>'extracted')")
+        n_right, n_copied = store.count(right), store.count(copied)
+        share = n_copied / n_right if n_right else 0.0
+        findings.append(Finding(
+            "tool_answer_copied", n_right > 0 and share >= copied_share,
+            f"{n_copied} of {n_right} right answers that used tools copy a tool result with no reasoning "
+            f"(steps {last[0]}-{last[1]})", f"share >= {copied_share:.0%}",
+            ex("tool_answer_copied", n_right > 0 and share >= copied_share, copied)))
 
 
 def _zero_spread(store: TraceStore, findings: list[Finding], traced: dict, share_limit: float) -> None:

@@ -4,7 +4,8 @@
 sampled a traced completion (the checkpoint of step S - 1, or the nearest earlier one run forward exactly as
 a resume would), checks it against the trace's adapter digest, samples step S again and compares the
 completion token for token (the first divergence with the rebuilt policy's log-prob of both tokens), and
-scores it with today's reward code beside the traced scores. The whole step is sampled again, in the same
+scores it with today's reward code beside the traced scores. A multi-turn completion is replayed with the
+traced tool results (while the model makes the traced calls) and its divergence named by turn. The whole step is sampled again, in the same
 generate calls as in training: a row sampled alone would sit in batches of another shape, whose float
 sums may round differently.
 
@@ -79,6 +80,7 @@ class Replayed:
     now: dict[str, float | None]  # each component's raw score now (today's reward code)
     total_now: float
     text: str
+    diverges_in: str | None = None  # multi-turn: "turn K model" or "turn K tool" (K from 0) at the divergence
 
     @property
     def same(self) -> bool:
@@ -91,7 +93,21 @@ class Replayed:
                 "traced_piece": self.traced_piece, "new_piece": self.new_piece,
                 "tokens_traced": len(t["completion_ids"]), "tokens_now": len(self.ids),
                 "traced": {k: c["raw"] for k, c in t["rewards"].items()}, "now": self.now,
-                "total_traced": t["total"], "total_now": self.total_now, "completion_now": self.text}
+                "total_traced": t["total"], "total_now": self.total_now, "completion_now": self.text,
+                **({"diverges_in": self.diverges_in} if t.get("turns") else {})}
+
+
+def _turn_at(turns: list[dict] | None, j: int | None) -> str | None:
+    """Which turn, and which part of it (the model's tokens or the tool results), token `j` is in."""
+    if not turns or j is None:
+        return None
+    at = 0
+    for k, t in enumerate(turns):
+        for part, n in (("model", t["model_tokens"]), ("tool", t["env_tokens"])):
+            if j < at + n:
+                return f"turn {k} {part}"
+            at += n
+    return f"turn {len(turns) - 1} (past the traced end)"
 
 
 RESCORED = ("step", "prompt_id", "sample", "prompt", "completion", "completion_tokens", "truncated", "rewards",
@@ -106,9 +122,6 @@ def _check_replayable(traces: list[dict], cfg: dict) -> None:
             raise ReplayError(f"{_where(t)}: the trace line has no replay coordinate (seed, completion_ids, "
                               "sampling): it was written by a docuchat-rl that did not record them")
         _check_types(t)
-        if t.get("turns"):
-            raise ReplayError(f"{_where(t)} is a multi-turn completion (rollout.tools): replaying one is not built "
-                              "yet (`docuchat-rl rescore` rescores it)")
         engine = t["sampling"].get("engine")
         for lib in ("torch", "transformers") + (("vllm",) if engine == "vllm" else ()):
             was = (t.get("versions") or {}).get(lib)
@@ -200,7 +213,13 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
                 + (f", {todo} step{'s' * (todo != 1)} to run first" if todo else ""))
             if todo:
                 trainer.train(stop_after=target)
-            rollout = _resample(trainer)  # step `step` sampled and scored again, as in training
+            if trainer.collector.multiturn is not None:  # the traced tool results, not the tools' answers now
+                trainer.collector.multiturn.script = {t["seed"]: t["turns"] for t in group if t.get("turns")}
+            try:
+                rollout = _resample(trainer)  # step `step` sampled and scored again, as in training
+            finally:
+                if trainer.collector.multiturn is not None:
+                    trainer.collector.multiturn.script = None
             traced = {t.get("adapter_sha256") for t in group} - {None}
             if traced and traced != {rollout.adapter_sha256}:
                 raise ReplayError(f"the rebuilt policy of step {rollout.policy_version} has adapter "
@@ -228,7 +247,8 @@ def replay(run_dir: str | Path, traces: list[dict], *, progress: bool = True,
                 pieces = (None, None) if j is None else tuple(
                     repr(tok.decode(ids[j:j + 1])) if j < len(ids) else "(ended)" for ids in (old, c.ids))
                 out.append(Replayed(t, list(c.ids), j, traced_lp, new_lp, *pieces,
-                                    {k: v.raw for k, v in c.reward.components.items()}, c.reward.total, c.text))
+                                    {k: v.raw for k, v in c.reward.components.items()}, c.reward.total, c.text,
+                                    _turn_at(t.get("turns"), j)))
     finally:
         if trainer is not None:
             trainer.close()
