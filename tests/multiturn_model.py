@@ -27,7 +27,7 @@ def teach_tool_calls(out: Path, steps: int = 150) -> Path:
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
     cfg = load_config(None)
-    examples = load_split(cfg.data, "train")[:16]
+    examples = load_split(cfg.data, "train", 16)
     source = ToolSource.load(["tests.tool_envs.add"], "tests.tool_envs.Counter")
     protocol = Protocol(tok, source.schemas, "text")
     texts = []

@@ -237,7 +237,7 @@ def test_turn_and_call_limits_hold(taught):
 
 def _tool_run(tmp_path, taught, *extra):
     return cfg_for(tmp_path, f"model.name_or_path={taught}", "rollout.tools=[tests.tool_envs.add]",
-                   "rollout.max_new_tokens=192", "rollout.tool_protocol=text", "run.steps=3", "checkpoint.every=1",
+                   "rollout.max_new_tokens=192", "rollout.tool_protocol=text", "run.steps=2", "checkpoint.every=1",
                    *extra)
 
 
@@ -341,3 +341,31 @@ def test_turns_are_in_the_trace_schema():
 
     assert columns()["turns"] == "JSON"
     json.dumps({"turns": [{"calls": []}]})
+
+
+@pytest.mark.parametrize("algo", ["ppo", "a2c"])
+def test_actor_critic_advantages_skip_tool_tokens(algo):
+    """PPO's GAE and A2C's n-step returns over a multi-turn row equal those over the same row with its tool
+    tokens cut out (the environment's tokens are not steps of the policy); the tool positions get none."""
+    from docuchat_rl.config import load_config
+    from docuchat_rl.learning.algorithms import get_algorithm_class
+    from docuchat_rl.learning.batch import build_batch
+
+    extra = ["algorithm.lam=0.9", "algorithm.gamma=0.95"] if algo == "ppo" else ["algorithm.n_steps=2",
+                                                                                   "algorithm.gamma=0.9"]
+    cfg = load_config(None, [f"algorithm.name={algo}", "rollout.num_generations=1", "rollout.prompts_per_step=2",
+                             "algorithm.whiten_advantages=false", *extra])
+    a = get_algorithm_class(algo)(cfg, hidden_size=8)
+    ids, mask = [5, 6, 7, 8, 9, 10, 11], [1, 1, 0, 0, 0, 1, 1]
+    values = torch.tensor([[0.1, 0.2, 0.9, 0.9, 0.9, 0.3, 0.4], [0.5, 0.6, 0, 0, 0, 0, 0]])
+    multi = build_batch([[1], [1]], [ids, [5, 6]], [1.0, 0.0], [0, 1], 0, model_masks=[mask, [1, 1]])
+    multi.values = values.clone()
+    a.advantages(multi)
+    cut = build_batch([[1], [1]], [[5, 6, 10, 11], [5, 6]], [1.0, 0.0], [0, 1], 0)
+    cut.values = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.6, 0, 0]])
+    a.advantages(cut)
+    keep = torch.tensor([0, 1, 5, 6])
+    assert torch.allclose(multi.advantages[0, keep], cut.advantages[0]), (multi.advantages, cut.advantages)
+    assert torch.allclose(multi.returns[0, keep], cut.returns[0])
+    assert torch.equal(multi.advantages[0, 2:5], torch.zeros(3))
+    assert torch.allclose(multi.advantages[1, :2], cut.advantages[1, :2])

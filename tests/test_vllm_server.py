@@ -57,10 +57,11 @@ class Server:
     """vLLM's server on the committed model, started from the printed command (`lora` False: as a plain
     `vllm serve MODEL`, without runtime LoRA loading)."""
 
-    def __init__(self, log_dir, lora: bool = True):
+    def __init__(self, log_dir, lora: bool = True, model=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        words = shlex.split(serve_line("--port", str(self.port), "--", *CPU_FLAGS))
+        other = ["--set", f"model.name_or_path={model}"] if model else []
+        words = shlex.split(serve_line(*other, "--port", str(self.port), "--", *CPU_FLAGS))
         env = dict(w.split("=", 1) for w in words if "=" in w and w.split("=")[0].isupper() and not w.startswith("-"))
         argv = words[len(env):]
         if not lora:
@@ -406,3 +407,38 @@ def test_fsdp2_sharding_with_servers_is_refused_in_one_line(tmp_path):
     assert proc.returncode != 0  # (the launcher's own code for a process that failed)
     assert ("docuchat-rl: error: rollout.vllm.mode server with FSDP2 sharding is not built: use accelerate's "
             "data-parallel launch") in proc.stderr
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_multi_turn_rollouts_through_a_server_and_the_colocated_engine_agree(tmp_path):
+    """Tools over vLLM: the next turns are sampled from the conversation's token ids (Engine.continue_rows)
+    by the server and by the colocated engine; with the same seeds both give the same conversations, the
+    sampler/trainer gap on the model's tokens stays below 1e-4, and tool calls ran."""
+    from docuchat_rl.trainer import Trainer
+
+    from .multiturn_model import teach_tool_calls
+
+    taught = teach_tool_calls(tmp_path / "taught")
+    server = Server(tmp_path, model=taught)
+    try:
+        opts = [f"model.name_or_path={taught}", "rollout.tools=[tests.tool_envs.add]", "rollout.tool_protocol=text",
+                "rollout.max_new_tokens=192", "run.steps=2", "checkpoint.every=2"]
+        for name, cfg in (("server", cfg_for(tmp_path / "server", server.url, *opts)),
+                          ("colocated", cfg_for(tmp_path / "colocated", server.url, *opts, "rollout.vllm.mode=colocate",
+                                                "rollout.vllm.server_base_url=null", KV))):
+            t = Trainer(cfg)
+            history = t.train()
+            t.close()
+            assert all(m["sampler/mismatch_max"] < 1e-4 for m in history), (name, history)
+            assert any(m["tool_calls/mean"] > 0 for m in history), name
+    finally:
+        server.kill()
+    served, colocated = traces(tmp_path / "server"), traces(tmp_path / "colocated")
+    assert any(len(r["turns"]) > 1 for r in served)
+    assert [r["completion_ids"] for r in served] == [r["completion_ids"] for r in colocated]
+    def calls(lines):
+        return [[(c["name"], c["arguments"], c["result"], c["error"]) for t in r["turns"] for c in t["calls"]]
+                for r in lines]
+
+    assert calls(served) == calls(colocated)

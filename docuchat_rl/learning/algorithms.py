@@ -25,7 +25,7 @@ Deliberately left out: algorithms that need a separate reward model or a second 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
@@ -302,13 +302,25 @@ class ActorCritic(Algorithm):
         """(advantages [R, T], returns [R, T]) from token rewards and dones and batch.values."""
         raise NotImplementedError
 
+    def _over_model_tokens(self, batch: Batch, rewards, dones) -> tuple[torch.Tensor, torch.Tensor]:
+        """returns_and_advantages over each row's model tokens only, as if its tool tokens were not there (a
+        tool result is the environment's move, not a step of the policy: no discount, no critic value across
+        it): every row's trained tokens moved to its front in order, the recursion run, the results put back."""
+        order = torch.sort((batch.completion_mask <= 0).to(torch.int8), dim=1, stable=True).indices  # [R, T]
+        adv, ret = self.returns_and_advantages(replace(batch, values=batch.values.gather(1, order)),
+                                               rewards.gather(1, order), dones.gather(1, order))
+        return torch.empty_like(adv).scatter_(1, order, adv), torch.empty_like(ret).scatter_(1, order, ret)
+
     def advantages(self, batch: Batch) -> dict[str, float]:
         """Token rewards -> the subclass's advantages and returns (whitened if asked), and value metrics."""
         a = self.cfg.algorithm
         valid = batch.reward_valid.float().unsqueeze(-1)  # [R, 1]: rows without a reward value drop out
         mask = batch.completion_mask * valid  # [R, T]
         rewards, dones = token_rewards(batch, a.beta, a.kl_in_reward)
-        adv, ret = self.returns_and_advantages(batch, rewards, dones)
+        if any(batch.info.tool_tokens or ()):  # multi-turn: tool tokens are no actions; the recursion skips them
+            adv, ret = self._over_model_tokens(batch, rewards, dones)
+        else:
+            adv, ret = self.returns_and_advantages(batch, rewards, dones)
         batch.returns = ret * mask + batch.values * (batch.completion_mask - mask)  # no value error where invalid
         batch.advantages = whiten(adv, mask, reduce=self.reduce) if a.whiten_advantages else adv * mask
         v, r = batch.values, batch.returns
