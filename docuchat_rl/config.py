@@ -87,6 +87,15 @@ class LoraConfig(Section):
         return v
 
 
+class FewShotTurn(Section):
+    """One demonstration turn of data.few_shot."""
+
+    role: Literal["user", "assistant"]
+    """Who says it."""
+    content: str
+    """What is said."""
+
+
 class DataConfig(Section):
     """The training and held-out prompts: sources, columns, system prompt, length limit."""
 
@@ -108,8 +117,15 @@ class DataConfig(Section):
     """Column holding the gold answer (GSM8K '#### N' endings are reduced to N); null: the data has none."""
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     """System message put before every prompt through the chat template (null for none)."""
+    few_shot: list[FewShotTurn] = Field(default_factory=list)
+    """Chat turns put before every prompt, after the system prompt: a demonstration of the answer's shape (e.g. a tool call, docs/tools.md)."""
     max_prompt_tokens: int = Field(512, ge=1)
     """Prompts longer than this (in tokens) are an error naming the row."""
+
+    @property
+    def few_shot_turns(self) -> list[dict]:
+        """data.few_shot as chat messages."""
+        return [{"role": t.role, "content": t.content} for t in self.few_shot]
 
 
 class VLLMConfig(Section):
@@ -443,12 +459,10 @@ class Config(Section):
             if moved:  # (by value: a saved config holds every key)
                 raise ValueError(f"rollout.{moved[0]} applies to multi-turn rollouts (rollout.tools or "
                                  "rollout.environment_factory), and neither is set")
-        elif self.eval.pass_k:
-            raise ValueError("eval.pass_k with rollout.tools or rollout.environment_factory is not built yet: "
-                             "evaluation runs the tool loop greedily (set eval.pass_k: 0)")
-        elif r.async_lag:
-            raise ValueError("rollout.tools and rollout.environment_factory cannot be used with rollout.async_lag "
-                             "yet: the tool loop runs in the learner's process")
+        elif r.async_lag and (r.async_worker_threads or (r.engine == "vllm" and r.vllm.mode == "server")):
+            raise ValueError("rollout.tools and rollout.environment_factory with rollout.async_lag sample in the "
+                             "learner's process (rollout.async_worker_threads 0, not vLLM's servers) for now: the "
+                             "tool loop runs there")
         elif r.sharded_generation:
             raise ValueError("rollout.tools and rollout.environment_factory cannot be used with "
                              "rollout.sharded_generation (its processes decode in lockstep, turns differ per row)")

@@ -44,21 +44,24 @@ def reasoning_target(answer: str) -> str:
     return "<think>\n" + "\n".join(lines) + "\n</think>\n<answer>" + (gold_of(answer) or "") + "</answer>"
 
 
-def prompt_turns(question: str, system_prompt: str | None, messages: tuple[dict, ...] | None = None) -> list[dict]:
-    """A prompt's chat messages: `messages` (a conversational prompt) or the one user turn `question`, the
-    system prompt first unless the messages start with their own."""
+def prompt_turns(question: str, system_prompt: str | None, messages: tuple[dict, ...] | None = None,
+                 few_shot: list[dict] | tuple = ()) -> list[dict]:
+    """A prompt's chat messages: `messages` (a conversational prompt) or the one user turn `question`, after
+    the `few_shot` demonstration turns, the system prompt first unless the messages start with their own."""
     turns = list(messages) if messages else [{"role": "user", "content": question}]
+    head = 1 if turns[0]["role"] == "system" else 0
+    turns[head:head] = [dict(m) for m in few_shot]
     if system_prompt and turns[0]["role"] != "system":
         turns.insert(0, {"role": "system", "content": system_prompt})
     return turns
 
 
 def render_prompt(tokenizer: Any, question: str, system_prompt: str | None,
-                  messages: tuple[dict, ...] | None = None) -> str:
+                  messages: tuple[dict, ...] | None = None, few_shot: list[dict] | tuple = ()) -> str:
     """The model-ready prompt text: the chat template with the generation prompt appended. `messages`
-    (a conversational prompt) replaces the one user turn `question`; the system prompt goes first
-    unless the messages already start with their own."""
-    turns = prompt_turns(question, system_prompt, messages)
+    (a conversational prompt) replaces the one user turn `question`; `few_shot` turns go before it; the
+    system prompt goes first unless the messages already start with their own."""
+    turns = prompt_turns(question, system_prompt, messages, few_shot)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     # A base model with no template: plain text, the system prompt as a preamble.

@@ -292,7 +292,8 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     except ToolError as e:
         raise TrainingError(str(e)) from None
     prompt_texts = [multiturn.prompt_text(e) if multiturn else
-                    render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages) for e in examples]
+                    render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages, cfg.data.few_shot_turns)
+                    for e in examples]
     _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
     reward = build_reward(cfg.rewards)
     ctx = EngineContext(cfg, tokenizer, model, dist, out_dir, place.lockstep, place.sharding is not None)

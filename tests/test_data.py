@@ -114,3 +114,26 @@ def test_conversational_prompts_load_as_messages_and_render_through_the_template
     path.write_text(json.dumps({"prompt": []}) + "\n")
     with pytest.raises(DataError, match="row 0 column 'prompt': an empty list of messages"):
         load_examples(str(path), "train", "prompt", None)
+
+
+def test_few_shot_turns_go_between_the_system_prompt_and_the_question():
+    from transformers import AutoTokenizer
+
+    from docuchat_rl.config import load_config
+    from docuchat_rl.data import render_prompt
+
+    from .conftest import MODEL
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    cfg = load_config(None, ["data.few_shot=[{role: user, content: 'Q1'}, {role: assistant, content: 'A1'}]"])
+    text = render_prompt(tok, "Q2", cfg.data.system_prompt, None, cfg.data.few_shot_turns)
+    assert text.index(cfg.data.system_prompt) < text.index("user\nQ1") < text.index("assistant\nA1") \
+        < text.index("user\nQ2") and text.endswith("<|im_start|>assistant\n")
+    messages = ({"role": "system", "content": "own"}, {"role": "user", "content": "Q3"})
+    assert render_prompt(tok, "", "ignored", messages, cfg.data.few_shot_turns).index("own") \
+        < render_prompt(tok, "", "ignored", messages, cfg.data.few_shot_turns).index("Q1")
+    assert render_prompt(tok, "Q2", None) == render_prompt(tok, "Q2", None, None, [])
+    from docuchat_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.few_shot.0.role"):
+        load_config(None, ["data.few_shot=[{role: tool, content: x}]"])

@@ -299,6 +299,15 @@ def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, taught)
     assert moved.diverges_at == turn1 and moved.as_dict()["diverges_in"] == "turn 1 model"
 
 
+def test_a_fixed_lag_samples_conversations_with_the_lagged_policy(tmp_path, taught):
+    t = Trainer(_tool_run(tmp_path, taught, "rollout.async_lag=1", "run.steps=3", "checkpoint.every=3"))
+    t.train()
+    t.close()
+    lines = read_jsonl(tmp_path / "traces.jsonl")
+    assert {r["step"]: r["policy_version"] for r in lines} == {1: 0, 2: 0, 3: 1}
+    assert any(len(r["turns"]) > 1 for r in lines)
+
+
 def test_an_environment_whose_reset_fails_drops_its_group(tmp_path, taught):
     t = Trainer(_tool_run(tmp_path, taught, "rollout.tools=[]", "rollout.environment_factory=tests.tool_envs.BrokenReset",
                           "run.steps=1", "rewards=[{name: correctness}, {name: environment}]",
@@ -319,17 +328,21 @@ def test_evaluation_runs_the_tool_loop_and_reports_tool_use(taught):
     from docuchat_rl.tools.evaluate import evaluate
 
     model, tok = load_model_and_tokenizer(str(taught), dtype="float32", device="cpu")
-    cfg = load_config(None, ["rollout.tools=[tests.tool_envs.add]", "rollout.max_new_tokens=192", "eval.limit=8"])
+    cfg = load_config(None, ["rollout.tools=[tests.tool_envs.add]", "rollout.max_new_tokens=192", "eval.limit=8",
+                             "eval.pass_k=2"])
     out = evaluate(model, tok, cfg)
     assert out["rows"] == 8 and out["tool_call_rate"] > 0 and 0 <= out["tool_call_ok_frac"] <= 1
     assert out["tool_calls/mean"] >= out["tool_call_rate"]
+    assert 0 <= out["mean@2"] <= out["pass@2"] <= 1
+    again = evaluate(model, tok, cfg)  # pass@k's conversations come from their own seeds: the same numbers
+    assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in out.items() if k != "seconds"}
 
 
 def test_tool_settings_without_tools_and_bad_tools_fail_early_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match="rollout.max_turns applies to multi-turn rollouts"):
         cfg_for(tmp_path, "rollout.max_turns=3")
-    with pytest.raises(ConfigError, match="cannot be used with rollout.async_lag"):
-        cfg_for(tmp_path, "rollout.tools=[tests.tool_envs.add]", "rollout.async_lag=1")
+    with pytest.raises(ConfigError, match="with rollout.async_lag sample in the learner's process"):
+        cfg_for(tmp_path, "rollout.tools=[tests.tool_envs.add]", "rollout.async_lag=1", "rollout.async_worker_threads=1")
     with pytest.raises(TrainingError, match=r"rollout.tools.0: cannot import 'tests.tool_envs.nope'"):
         Trainer(cfg_for(tmp_path, "rollout.tools=[tests.tool_envs.nope]"))
     with pytest.raises(TrainingError, match="has get_reward\\(\\): add it to the rewards"):

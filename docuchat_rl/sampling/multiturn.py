@@ -532,16 +532,18 @@ class MultiTurn:
     ones (the prompts rendered with the tools), then `run_turns`."""
 
     def __init__(self, source: ToolSource, protocol: Protocol, limits: TurnLimits, group_size: int,
-                 system_prompt: str | None = None, prompt_column: str = "question", answer_column: str | None = "answer"):
+                 system_prompt: str | None = None, prompt_column: str = "question", answer_column: str | None = "answer",
+                 few_shot: list[dict] | tuple = ()):
         self.source, self.protocol, self.limits, self.g = source, protocol, limits, group_size
         self.system_prompt, self.prompt_column, self.answer_column = system_prompt, prompt_column, answer_column
+        self.few_shot = list(few_shot)
         self.script: dict[int, list[dict]] | None = None  # replay: row seed -> its traced turns (run_turns)
 
     def prompt_text(self, example) -> str:
         """The example's prompt as the run renders it: its turns with the tools."""
         from ..data import prompt_turns
 
-        return self.render(prompt_turns(example.question, self.system_prompt, example.messages))
+        return self.render(prompt_turns(example.question, self.system_prompt, example.messages, self.few_shot))
 
     def render(self, turns: list[dict]) -> str:
         """A prompt's text with the tools (the template's way, or the text protocol's system turn)."""
@@ -558,17 +560,19 @@ class MultiTurn:
         return row
 
     def sample(self, idx: list[int], examples: list, seeds: list[int], first: Callable[[list[int]], Generation],
-               more: Callable[[list[list[int]], list[int], int], Generation]) -> Generation:
-        """The rows of prompts `idx` (G each, row r from seeds[r]): `first(idx)` samples the first turns of the
-        prompts as rendered for the run; a prompt whose environments returned an observation is rendered per
-        row with it and its first turns sampled through `more`."""
-        g, tok = self.g, self.protocol.tokenizer
+               more: Callable[[list[list[int]], list[int], int], Generation], group_size: int | None = None
+               ) -> Generation:
+        """The rows of prompts `idx` (G each, or `group_size`; row r from seeds[r]): `first(idx)` samples the first
+        turns of the prompts as rendered for the run; a prompt whose environments returned an observation is
+        rendered per row with it and its first turns sampled through `more`."""
+        g, tok = group_size or self.g, self.protocol.tokenizer
         rows = [self.reset_row(e) for e in examples for _ in range(g)]
         envs, observations, failed = reset_environments(self.source.environment, rows, g)
         if any(o for o in observations):
             from ..data import prompt_turns
 
-            texts = [self.render(_observed(prompt_turns(e.question, self.system_prompt, e.messages), o))
+            texts = [self.render(_observed(prompt_turns(e.question, self.system_prompt, e.messages, self.few_shot),
+                                           o))
                      for e, o in zip([e for e in examples for _ in range(g)], observations)]
             ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
             gen = more(ids, seeds, self.limits.max_new_tokens)
@@ -610,4 +614,4 @@ def multiturn_from_config(cfg, tokenizer, max_new_tokens: int | None = None, gro
     limits = TurnLimits(max_new_tokens or r.max_new_tokens, r.max_turns, r.max_tool_calls, r.tool_timeout_s,
                         r.max_tool_result_tokens)
     return MultiTurn(source, protocol, limits, group_size or r.num_generations, cfg.data.system_prompt,
-                     cfg.data.prompt_column, cfg.data.answer_column)
+                     cfg.data.prompt_column, cfg.data.answer_column, cfg.data.few_shot_turns)

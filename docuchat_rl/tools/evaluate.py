@@ -99,7 +99,8 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
     e, r, acc_name = cfg.eval, cfg.rollout, cfg.rewards.accuracy_component
     multiturn = multiturn_from_config(cfg, tokenizer, max_new, group_size=1)
     prompts = [multiturn.prompt_text(x) if multiturn else
-               render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages) for x in examples]
+               render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages, cfg.data.few_shot_turns)
+               for x in examples]
 
     def merged():  # a fresh context each time: one sampling pass per `with`
         return merged_adapter(model) if r.merge_adapter else contextlib.nullcontext()
@@ -125,11 +126,20 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
     hits: list[list[float]] = [[] for _ in examples]
     if k:
         seeds = [row_seed(cfg.run.seed, EVAL_STEP, first + i, s) for i in range(len(examples)) for s in range(k)]
-        with torch.random.fork_rng(), merged():  # eval must not shift the training run's random stream
-            sgen = generate(model, tokenizer, prompts, max_new_tokens=max_new, do_sample=True,
-                            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=e.batch_size,
-                            num_return_sequences=k, engine=r.engine, grouped_decode=r.grouped_decode,
-                            row_seeds=seeds, lockstep=lockstep)
+
+        def sampled(texts, row_seeds, n=max_new, per_prompt=k):
+            with merged():
+                return generate(model, tokenizer, texts, max_new_tokens=n, do_sample=True, temperature=r.temperature,
+                                top_p=r.top_p, top_k=r.top_k, batch_size=e.batch_size,
+                                num_return_sequences=per_prompt, engine=r.engine, grouped_decode=r.grouped_decode,
+                                row_seeds=row_seeds, lockstep=lockstep)
+
+        with torch.random.fork_rng():  # eval must not shift the training run's random stream
+            if multiturn is not None:  # k conversations a prompt, each turn from its own seed
+                sgen = multiturn.sample(list(range(len(examples))), examples, seeds, lambda _: sampled(prompts, seeds),
+                                        lambda ids, row_seeds, n: sampled(ids, row_seeds, n, 1), group_size=k)
+            else:
+                sgen = sampled(prompts, seeds)
         stexts = tokenizer.batch_decode(sgen.completion_ids, skip_special_tokens=True)
         sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
         flat = [rec.components[acc_name].raw or 0.0 for rec in sres.records]

@@ -81,7 +81,8 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
     from ..traces import completion_fields
 
     cfg = cfg.for_device(next(model.parameters()).device.type)
-    prompts = [render_prompt(tok, e.question, cfg.data.system_prompt, e.messages) for e in examples]
+    prompts = [render_prompt(tok, e.question, cfg.data.system_prompt, e.messages, cfg.data.few_shot_turns)
+               for e in examples]
     ctx = model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
     with ctx:
         gen = generate(model, tok, prompts, max_new_tokens=max_new_tokens or cfg.rollout.max_new_tokens,
@@ -112,7 +113,7 @@ def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[s
     shows the reply. /reset forgets the conversation, /exit ends it. Returns the number of replies."""
     cfg = cfg.for_device(next(model.parameters()).device.type)
     system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
-    messages, replies = list(system), 0
+    messages, replies = [*system, *cfg.data.few_shot_turns], 0
     write("chat with the model: /reset forgets the conversation, /exit quits\n")
     while True:
         try:
