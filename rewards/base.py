@@ -175,6 +175,12 @@ def _event_loop() -> asyncio.AbstractEventLoop:
         return _LOOP[0]
 
 
+def start_async(awaitable) -> Future:
+    """An awaitable started on the process's one event loop (async rewards, async tools): its result comes
+    through the future; sys.exit() inside it becomes an error of the call."""
+    return asyncio.run_coroutine_threadsafe(_awaited(awaitable), _event_loop())
+
+
 async def _awaited(awaitable):
     """The result of an awaitable (run_coroutine_threadsafe wants a coroutine). sys.exit() inside it
     becomes an error of the call: asyncio would re-raise SystemExit in the loop's thread, ending the loop

@@ -9,11 +9,10 @@ Deliberately left out: environments of several classes in one run (TRL's environ
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from typing import Any
 
-from .base import Reward, RewardError, Score, _awaited, _event_loop, register
+from .base import Reward, RewardError, Score, register, start_async
 
 
 @register("environment")
@@ -36,8 +35,8 @@ class EnvironmentReward(Reward):
         if len(envs) != len(completions):
             raise RewardError(f"environment: {len(envs)} environments for {len(completions)} completions")
         calls = [getattr(e, "get_reward", None) for e in envs]
-        started = [asyncio.run_coroutine_threadsafe(_awaited(c()), _event_loop()) if inspect.iscoroutinefunction(c)
-                   else None for c in calls]  # (every async one started before any is awaited)
+        started = [start_async(c()) if inspect.iscoroutinefunction(c) else None
+                   for c in calls]  # (every async one started before any is awaited)
         out = []
         for call, future in zip(calls, started):
             if call is None:

@@ -2,7 +2,8 @@
 
 An engine turns a step's prompts (rendered text, G completions each, one seed per completion) into a
 `Generation` (token ids, truncation flags, the sampler's log-prob of every token) sampled by a given adapter
-version. The collector (`rollout.py`), the fixed lag (`lag.py`) and replay talk to this interface only;
+version, and a multi-turn row's next turn from its token ids (`continue_rows`, for the tool loop of
+`multiturn.py`). The collector (`rollout.py`), the fixed lag (`lag.py`) and replay talk to this interface only;
 `engine_name(cfg)` picks the class from `rollout.engine` and `rollout.vllm.mode`:
 
     fast          our decode loop on the learner's model, in this process (generation.py)

@@ -36,7 +36,6 @@ through a tokenizer's `response_template` (no template we support carries one).
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import inspect
 import json
@@ -288,11 +287,11 @@ def _start(fn: Callable, args: dict) -> Future:
     """The call started: an async tool on the process's one event loop (the rewards' loop: every async tool
     of a round is started before any is awaited, so they run concurrently), a sync one in a daemon thread of
     its own (a hung tool is abandoned at its time limit, and a finished run does not wait for it)."""
-    from rewards.base import _awaited, _event_loop
+    from rewards.base import start_async
 
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
         try:
-            return asyncio.run_coroutine_threadsafe(_awaited(fn(**args)), _event_loop())
+            return start_async(fn(**args))
         except BaseException as e:  # (a bad argument: the coroutine could not be made)
             done: Future = Future()
             done.set_exception(e)
@@ -392,9 +391,9 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
 
     `more(ids, seeds, max_new_tokens)` samples one further turn for each given row (its whole token history,
     its turn's seed); `tools[r]` are row r's tools by name; `script` (replay) maps a row's seed to its traced
-    turns, whose results it is given instead of calling the tools while its calls are the traced ones. Returns the rows' Generation with the completion
-    as model and tool tokens (`model_mask` 0 on tool tokens, whose log-probs are 0), the turns and the
-    conversations (TRL's conversational completions)."""
+    turns, whose results it is given instead of calling the tools while its calls are the traced ones.
+    Returns the rows' Generation with the completion as model and tool tokens (`model_mask` 0 on tool tokens,
+    whose log-probs are 0), the turns and the conversations (TRL's conversational completions)."""
     tok = protocol.tokenizer
     rows = [RowState(first.prompt_ids[r], seeds[r], tools[r]) for r in range(len(seeds))]
     for row, ids, logps, cut in zip(rows, first.completion_ids, first.logps, first.truncated):
