@@ -290,12 +290,11 @@ def test_a_resumed_multi_turn_run_equals_the_uninterrupted_one(tmp_path, taught)
     assert len(result.lines) == len(a) and result.changed == []
     assert [r["total"] for r in result.lines] == [r["total"] for r in a]
     line = next(r for r in a if len(r["turns"]) > 1 and r["step"] == 2)
-    (same,) = replay(tmp_path / "full", [line], progress=False, say=lambda _: None)
-    assert same.same and same.ids == line["completion_ids"], same.as_dict()
     turn1 = line["turns"][0]["model_tokens"] + line["turns"][0]["env_tokens"]  # the second turn's first token
     bent = {**line, "completion_ids": [*line["completion_ids"][:turn1], line["completion_ids"][turn1] ^ 1,
-                                       *line["completion_ids"][turn1 + 1:]]}
-    (moved,) = replay(tmp_path / "full", [bent], progress=False, say=lambda _: None)
+                                       *line["completion_ids"][turn1 + 1:]]}  # (one step sampled again for both)
+    same, moved = replay(tmp_path / "full", [line, bent], progress=False, say=lambda _: None)
+    assert same.same and same.ids == line["completion_ids"], same.as_dict()
     assert moved.diverges_at == turn1 and moved.as_dict()["diverges_in"] == "turn 1 model"
 
 
