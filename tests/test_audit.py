@@ -344,6 +344,14 @@ def test_tool_columns_filters_and_detectors(tmp_path):
     with TraceStore([write(tmp_path / "f.jsonl", failing)]) as store:
         assert store.count("tool_errors > 0") == 16
         assert "tool_errors" in fired(store.detect(bins=2))
+    dropping = [line(s, i, _tool_turns("Let me add. ", "4") if s <= 2 else
+                     [{"model_tokens": 5, "text": "#### 4", "calls": [], "env_tokens": 0, "ended": "answer"}])
+                for s in range(1, 5) for i in range(4)]
+    with TraceStore([write(tmp_path / "d.jsonl", dropping)]) as store:
+        found = {f.check: f for f in store.detect(bins=2)}
+        assert found["tool_use_dropped"].fired and "100.0% -> 0.0%" in found["tool_use_dropped"].detail
+    with TraceStore([write(tmp_path / "r2.jsonl", reasoned)]) as store:
+        assert not {f.check: f for f in store.detect(bins=2)}["tool_use_dropped"].fired
     with TraceStore([write(tmp_path / "single.jsonl", clean_run(2))]) as store:  # single-turn: no tool checks
         assert store.count("tool_calls = 0") == store.rows
-        assert not {f.check for f in store.detect(bins=2)} & {"tool_answer_copied", "tool_errors"}
+        assert not {f.check for f in store.detect(bins=2)} & {"tool_answer_copied", "tool_errors", "tool_use_dropped"}

@@ -364,7 +364,7 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
             f"share >= {truncated_share:.0%} (rewards judge unfinished completions)",
             ex("truncated", cut >= truncated_share, f"step >= {last[0]} AND truncated")))
     _zero_spread(store, findings, traced, no_signal_share)
-    _tools(store, findings, last, accuracy, tool_error_share, copied_share, ex)
+    _tools(store, findings, first, last, accuracy, tool_error_share, copied_share, ex)
     for c in store.components:
         q = _q(c)
         groups, constant = store.con.execute(
@@ -396,11 +396,25 @@ def detect(store: TraceStore, bins: int = 5, accuracy: str = "correctness", form
     return findings
 
 
-def _tools(store: TraceStore, findings: list[Finding], last: tuple[int, int], accuracy: str, error_share: float,
-           copied_share: float, ex) -> None:
-    """Multi-turn runs: calls that fail (the model cannot use its tools), and right answers copied from a tool
-    result with no words of the model's own around them (the tool did the task; the reward cannot tell)."""
+def _tools(store: TraceStore, findings: list[Finding], first: tuple[int, int], last: tuple[int, int], accuracy: str,
+           error_share: float, copied_share: float, ex) -> None:
+    """Multi-turn runs: the model dropping its tools (the reward is easier to earn without them), calls that
+    fail (the model cannot use its tools), and right answers copied from a tool result with no words of the
+    model's own around them (the tool did the task; the reward cannot tell)."""
     in_last = f"step BETWEEN {last[0]} AND {last[1]}"
+
+    def rate(r: tuple[int, int]) -> float | None:
+        return store.con.execute(f"SELECT avg((tool_calls > 0)::INT) FROM traces WHERE step BETWEEN {r[0]} AND "
+                                 f"{r[1]} AND turns IS NOT NULL").fetchone()[0]
+
+    r0, r1 = rate(first), rate(last)
+    if r0 is not None and r1 is not None and first != last:
+        dropped = r0 >= 0.2 and r1 <= r0 / 2
+        findings.append(Finding(
+            "tool_use_dropped", dropped, f"completions with a tool call {r0:.1%} -> {r1:.1%} (steps {first[0]}-"
+            f"{first[1]} vs {last[0]}-{last[1]})", "from >= 20% to half or less (the rewards pay more without the "
+            "tools: a format reward the tool path does not earn, say)",
+            ex("tool_use_dropped", dropped, f"{in_last} AND tool_calls = 0")))
     calls, failed, using = store.con.execute(
         f"SELECT sum(tool_calls), sum(tool_errors), count(*) FILTER (WHERE tool_calls > 0) FROM traces "
         f"WHERE {in_last}").fetchone()
