@@ -676,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .config import ConfigError
     from .data import DataError
-    from .errors import CheckpointError, CheckpointWarning, ModelError, ReplayError, TrainingError
+    from .errors import CheckpointError, CheckpointWarning, ModelError, ReplayError, ToolError, TrainingError
     from .tools.audit import AuditError
 
     plain = warnings.formatwarning  # a damaged checkpoint skipped on resume: one line, like our errors
@@ -700,7 +700,7 @@ def main(argv: list[str] | None = None) -> int:
         code = commands[args.command](args)
         finished = True
     except (ConfigError, DataError, AuditError, TrainingError, ModelError, CheckpointError, RewardError,
-            ReplayError, FileNotFoundError, FileExistsError) as e:
+            ReplayError, ToolError, FileNotFoundError, FileExistsError) as e:
         print(f"docuchat-rl: error: {e}", file=sys.stderr)
     except RewardFailure as e:  # rewards.strict: the first failing reward call ends the command
         print(f"docuchat-rl: error: {e} (rewards.strict is on){_checkpoint_left(args)}", file=sys.stderr)

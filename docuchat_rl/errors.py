@@ -33,3 +33,8 @@ class CheckpointWarning(UserWarning):
 class ReplayError(ValueError):
     """A traced completion that cannot be replayed (or a run that cannot be rescored) exactly; the message
     says why."""
+
+
+class ToolError(ValueError):
+    """Tools or an environment (rollout.tools, rollout.environment_factory) that cannot be loaded or described,
+    named by their recipe key."""

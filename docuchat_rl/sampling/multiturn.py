@@ -49,16 +49,13 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..errors import ToolError
 from .generation import Generation
 
 TEXT_SYSTEM = ("Tools:\n{tools}\nTo call a tool, write <tool_call>{{\"name\": \"tool\", \"arguments\": {{...}}}}"
                "</tool_call>; its result comes back in <tool_response></tool_response>.")
 _HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools (TRL's rule)
-
-
-class ToolError(ValueError):
-    """Tools or an environment that cannot be loaded or described, named."""
 
 
 @dataclass
