@@ -58,7 +58,7 @@ def test_name_or_path_is_gguf_by_extension_and_a_folder_counts_as_fetched_only_w
     assert not fetched(SMOLLM2, tmp_path)  # another file's folder
     (tmp_path / "card.json").write_text(json.dumps({"sha256": SMOLLM2.sha256}))
     assert fetched(SMOLLM2, tmp_path)
-    with pytest.raises(ModelError, match="unknown model 'gpt-5'; known: smollm2-135m-instruct"):
+    with pytest.raises(ModelError, match="unknown model 'gpt-5'; known: gemma3-270m, smollm2-135m-instruct"):
         fetch_known("gpt-5", tmp_path)
 
 
