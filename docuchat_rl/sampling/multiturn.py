@@ -535,11 +535,15 @@ class MultiTurn:
         self.few_shot = list(few_shot)
         self.script: dict[int, list[dict]] | None = None  # replay: row seed -> its traced turns (run_turns)
 
-    def prompt_text(self, example) -> str:
-        """The example's prompt as the run renders it: its turns with the tools."""
+    def turns(self, example) -> list[dict]:
+        """The example's prompt messages: the system prompt, the few-shot turns, its question."""
         from ..data import prompt_turns
 
-        return self.render(prompt_turns(example.question, self.system_prompt, example.messages, self.few_shot))
+        return prompt_turns(example.question, self.system_prompt, example.messages, self.few_shot)
+
+    def prompt_text(self, example) -> str:
+        """The example's prompt as the run renders it: its turns with the tools."""
+        return self.render(self.turns(example))
 
     def render(self, turns: list[dict]) -> str:
         """A prompt's text with the tools (the template's way, or the text protocol's system turn)."""
@@ -565,10 +569,7 @@ class MultiTurn:
         rows = [self.reset_row(e) for e in examples for _ in range(g)]
         envs, observations, failed = reset_environments(self.source.environment, rows, g)
         if any(o for o in observations):
-            from ..data import prompt_turns
-
-            texts = [self.render(_observed(prompt_turns(e.question, self.system_prompt, e.messages, self.few_shot),
-                                           o))
+            texts = [self.render(_observed(self.turns(e), o))
                      for e, o in zip([e for e in examples for _ in range(g)], observations)]
             ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
             gen = more(ids, seeds, self.limits.max_new_tokens)
