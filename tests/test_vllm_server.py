@@ -328,7 +328,8 @@ def test_lag_over_a_server_killed_mid_run_resumes_to_the_uninterrupted_run(tmp_p
     for a, b in zip(untimed(cut / "metrics.jsonl"), untimed(tmp_path / "full" / "metrics.jsonl"), strict=True):
         assert a.keys() == b.keys()
         for k in a:
-            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), (a["step"], k)
+            # (None where a metric has no value, as kl at beta 0: pytest 9.2's approx refuses None with rel)
+            assert a[k] == (b[k] if b[k] is None else pytest.approx(b[k], rel=1e-3, abs=1e-5)), (a["step"], k)
 
 
 def _cli(out, url, opts) -> list[str]:
