@@ -207,6 +207,8 @@ class RolloutConfig(Section):
     """The vLLM engine's settings (only with engine vllm)."""
     grouped_decode: Switch = AUTO
     """Our fast loop's decode step for Llama, Qwen2 and Mistral (full attention): each prompt's keys/values read once for its G rows (engine fast; eval and chat under vllm); auto: on on CPUs, off on GPUs."""
+    cuda_graphs: bool = False
+    """Our fast loop's decode at static shapes (Llama, Qwen2, Mistral with full attention), each token's step replayed as one CUDA graph on a GPU (on a CPU it runs the same step eagerly: for tests); off until measured on a GPU (scripts/gpu_checklist.sh)."""
     merge_adapter: Switch = AUTO
     """Sample with the LoRA deltas folded into the base weights, restored exactly after (in bfloat16 the merge rounds the delta: a small sampler/trainer gap); auto: on (off with sharded_generation)."""
     sharded_generation: bool = False
@@ -438,6 +440,9 @@ class Config(Section):
         if r.engine == "hf" and "grouped_decode" in r.model_fields_set and r.grouped_decode is not False:
             raise ValueError("rollout.grouped_decode applies to our fast decode loop (rollout.engine fast, and "
                              "evaluation under vllm), not to rollout.engine hf")
+        if r.cuda_graphs and r.engine in ("hf", "vllm"):
+            raise ValueError(f"rollout.cuda_graphs applies to our fast decode loop (rollout.engine fast), not to "
+                             f"rollout.engine {r.engine}")
         if r.engine != "vllm" and r.vllm != VLLMConfig():
             raise ValueError(f"rollout.vllm applies to rollout.engine vllm, not {r.engine}")
         if r.engine == "vllm" and r.sharded_generation:
@@ -489,7 +494,7 @@ class Config(Section):
         def pick(value, on, off):
             return (on if cpu else off) if value == AUTO else value
 
-        engine = pick(r.engine, "fast", "hf")
+        engine = pick(r.engine, "fast", "fast" if r.cuda_graphs else "hf")  # (graphs are the fast loop's)
         rollout = r.model_copy(update={  # (grouped decode is the fast loop's: never on under the hf engine)
             "engine": engine, "grouped_decode": pick(r.grouped_decode, engine != "hf", False),
             "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, not r.sharded_generation),

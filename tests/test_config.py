@@ -188,6 +188,10 @@ def test_auto_switches_are_decided_per_device_and_explicit_values_win():
     hf = load_config(ROOT / "config/default.yaml", ["rollout.engine=hf"]).for_device("cpu")
     assert hf.rollout.grouped_decode is False  # (the fast loop's switch: off under hf, the decided config valid)
     assert config_from_dict(hf.to_dict()).rollout.grouped_decode is False  # (a checkpoint's run_config reloads)
+    graphs = load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=true"]).for_device("cuda")
+    assert graphs.rollout.engine == "fast"  # (graphs are the fast loop's: auto picks it on a GPU too)
+    with pytest.raises(ValueError, match="rollout.cuda_graphs applies to our fast decode loop .* not to rollout.engine hf"):
+        load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=true", "rollout.engine=hf"])
     sharded = load_config(ROOT / "config/default.yaml", ["rollout.sharded_generation=true"]).for_device("cpu")
     assert sharded.rollout.merge_adapter is False  # (the sharded weights cannot take the merged delta)
 

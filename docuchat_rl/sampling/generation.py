@@ -23,9 +23,12 @@ Two engines, the same contract:
   linear attention) keep a growing cache, repeated per sample.
 - `hf`: `transformers.generate`, for anything the fast loop does not cover.
 
-Deliberately left out: SGLang, speculative decoding, continuous batching, and compiled decode steps or CUDA
-graphs (compilation takes longer than a whole run of the embedded default on a CPU). vLLM is an engine of
-its own (vllm_engine.py).
+With `cuda_graphs`, the same models decode at static shapes (static_decode.py), which a GPU replays as
+one CUDA graph per token.
+
+Deliberately left out: SGLang, speculative decoding, continuous batching, and compiled decode steps
+(compilation takes longer than a whole run of the embedded default on a CPU). vLLM is an engine of its
+own (vllm_engine.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import torch
 
 from ..modeling import base_model, cache_of, in_compute_context, position_ids, warpers, with_cache
 from .grouped_decode import GroupedSteps, additive_mask, plain_full_attention, supports
+from .static_decode import static_chunk
 
 DONE_CHECK_EVERY = 8  # the decode loop asks whether every row has finished every this many tokens
 
@@ -219,13 +223,18 @@ class _ModelSteps:
 
 def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
                 processors, stop, pad, uniforms=None, lockstep=None,
-                grouped: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                grouped: bool = True, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
     and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
     while any process still has a row to finish. `grouped`: decode with `grouped_decode.GroupedSteps`
-    where the model is one it covers."""
+    where the model is one it covers; `static`: with `static_decode.static_chunk` (CUDA graphs on a GPU)."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=True, logits_to_keep=1)
+    if static and lockstep is None and supports(model, cache_of(out)):
+        return static_chunk(model, cache_of(out), out.logits[:, -1], attention_mask, repeats=repeats,
+                            max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
+                            processors=processors, stop=stop, pad=pad, uniforms=uniforms, sample=sample,
+                            done_check_every=DONE_CHECK_EVERY)
     kind = GroupedSteps if grouped and lockstep is None and supports(model, cache_of(out)) else _ModelSteps
     decode = kind(model, cache_of(out), attention_mask, repeats, max_new_tokens)
     logits = out.logits[:, -1].repeat_interleave(repeats, 0)  # [R, V]
@@ -285,7 +294,8 @@ def _plain_generation_config(model):
 def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_tokens: int, do_sample: bool,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
-             row_seeds: list[int] | None = None, lockstep=None, grouped_decode: bool = True) -> Generation:
+             row_seeds: list[int] | None = None, lockstep=None, grouped_decode: bool = True,
+             cuda_graphs: bool = False) -> Generation:
     """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
     `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only temperature, top-k and
     top-p shape the distribution, whatever the model's generation_config says. With `row_seeds` (one per
@@ -296,7 +306,8 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
     number of model calls, as sharded weights demand: decoding continues while any process decodes, and
     a process out of prompts runs a greedy one-token placeholder prompt (it draws no random numbers)
     until the others are done. `grouped_decode` (fast engine): decode the models `grouped_decode.py`
-    covers with its step, which reads each prompt's keys/values once for its G rows."""
+    covers with its step, which reads each prompt's keys/values once for its G rows. `cuda_graphs` (fast
+    engine): decode those models at static shapes (static_decode.py), replayed as CUDA graphs on a GPU."""
     if engine not in ("fast", "hf", "vllm"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf, vllm")
     if engine == "vllm":  # a vLLM engine (vllm_engine.py) serves training rollouts only: evaluation, generate
@@ -336,7 +347,8 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
             new, logps = _fast_chunk(model, enc["input_ids"], enc["attention_mask"], repeats=num_return_sequences,
                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                      do_sample=do_sample, processors=processors, stop=stop, pad=pad,
-                                     uniforms=uniforms, lockstep=lockstep, grouped=grouped_decode)
+                                     uniforms=uniforms, lockstep=lockstep, grouped=grouped_decode,
+                                     static=cuda_graphs)
         else:
             new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
                                    min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,

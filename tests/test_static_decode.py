@@ -1,0 +1,121 @@
+"""The static-shape decode (rollout.cuda_graphs) against the dynamic fast loop: the same completions and
+log-probs with the same row seeds, on the embedded default and on tiny random-weight Llama (grouped-query,
+biased) and Qwen2, with rows ending at different steps (bucket compaction), min_new_tokens, top-k/top-p,
+greedy, LoRA merged or not, and buffers reused across calls. On a GPU, the graphs replayed against the same
+step run eagerly."""
+
+import pytest
+import torch
+
+from docuchat_rl.sampling import static_decode
+from docuchat_rl.sampling.generation import generate
+from docuchat_rl.sampling.rollout import row_seed
+
+from .conftest import with_lora
+from .test_generation import _prompts
+from .test_grouped_decode import _model
+
+
+def _seeds(prompts: int, g: int, step: int = 0) -> list[int]:
+    return [row_seed(0, step, p, s) for p in range(prompts) for s in range(g)]
+
+
+def _same(a, b, atol=1e-5):
+    assert a.completion_ids == b.completion_ids and a.truncated == b.truncated
+    assert a.prompt_ids == b.prompt_ids
+    for x, y in zip(a.logps, b.logps):
+        torch.testing.assert_close(torch.tensor(x), torch.tensor(y), atol=atol, rtol=atol)
+
+
+def test_static_decode_samples_what_the_fast_loop_samples(tiny):
+    """The embedded default, natural EOS: rows end at different steps, the buckets shrink (64 -> 8), and
+    the completions and log-probs are the dynamic loop's; the decoder's buffers are reused by a second call
+    with fewer, shorter prompts (one buffer set per model)."""
+    model, tok = tiny
+    prompts = _prompts(tok, 8)
+    kw = dict(max_new_tokens=48, do_sample=True, num_return_sequences=8, row_seeds=_seeds(8, 8), temperature=0.8,
+              top_p=0.95, top_k=50)
+    buckets = []
+    run = static_decode.StaticDecoder.run
+    static_decode.StaticDecoder.run = lambda self, b: (buckets.append(b), run(self, b))[1]
+    try:
+        static = generate(model, tok, prompts, cuda_graphs=True, **kw)
+    finally:
+        static_decode.StaticDecoder.run = run
+    dynamic = generate(model, tok, prompts, **kw)
+    _same(static, dynamic)
+    assert len({len(c) for c in static.completion_ids}) > 4  # rows ended at many different steps
+    assert buckets[0] == 64 and min(buckets) < 64 and buckets == sorted(buckets, reverse=True)
+    decoder = static_decode._DECODERS[model]
+
+    kw2 = dict(kw, num_return_sequences=4, row_seeds=_seeds(3, 4, step=1))
+    again = generate(model, tok, prompts[3:6], cuda_graphs=True, **kw2)
+    assert static_decode._DECODERS[model] is decoder  # the same buffers (fewer rows, shorter prompts fit)
+    _same(again, generate(model, tok, prompts[3:6], **kw2))
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa-bias", "qwen2"])
+def test_static_decode_on_real_architectures_with_min_new_tokens_and_greedy(tiny, arch):
+    _, tok = tiny
+    model = _model(tok, arch)
+    prompts = _prompts(tok, 3)  # different lengths: left padding
+    for kw in (dict(do_sample=True, row_seeds=_seeds(3, 4), temperature=1.3, min_new_tokens=5),
+               dict(do_sample=False)):
+        kw = dict(kw, max_new_tokens=20, num_return_sequences=4)
+        _same(generate(model, tok, prompts, cuda_graphs=True, **kw), generate(model, tok, prompts, **kw))
+    assert model in static_decode._DECODERS  # (the static step ran)
+    sampled = generate(model, tok, prompts, cuda_graphs=True, do_sample=True, row_seeds=_seeds(3, 4),
+                       max_new_tokens=20, num_return_sequences=4, min_new_tokens=5)
+    assert min(len(c) for c in sampled.completion_ids) >= 5
+
+
+def test_static_decode_runs_lora_merged_or_not_and_sees_new_weights(tiny):
+    """With LoRA layers (unmerged) and merged, the static step samples what the dynamic loop samples; after
+    the adapter's weights change in place, it samples the new policy (nothing stale baked in)."""
+    from docuchat_rl.modeling import merged_adapter
+
+    _, tok = tiny
+    model = with_lora(_model(tok, "llama-gqa-bias"), ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"]).eval()
+    prompts = _prompts(tok, 2)
+    kw = dict(max_new_tokens=16, do_sample=True, num_return_sequences=4, row_seeds=_seeds(2, 4))
+    before = generate(model, tok, prompts, cuda_graphs=True, **kw)
+    _same(before, generate(model, tok, prompts, **kw))
+    with merged_adapter(model):
+        _same(generate(model, tok, prompts, cuda_graphs=True, **kw), before, atol=1e-4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.add_(0.5)
+    after = generate(model, tok, prompts, cuda_graphs=True, **kw)
+    _same(after, generate(model, tok, prompts, **kw))
+    assert max(abs(a - b) for x, y in zip(after.logps, before.logps) for a, b in zip(x, y)) > 1e-3
+
+
+def test_models_the_static_step_does_not_cover_decode_as_before(tiny):
+    _, tok = tiny
+    model = _model(tok, "gemma2")
+    prompts = _prompts(tok, 2)
+    kw = dict(max_new_tokens=8, do_sample=True, num_return_sequences=2, row_seeds=_seeds(2, 2))
+    assert generate(model, tok, prompts, cuda_graphs=True, **kw).completion_ids == \
+        generate(model, tok, prompts, **kw).completion_ids
+    assert model not in static_decode._DECODERS
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/gpu_checklist.sh runs this)")
+def test_cuda_graphs_replay_what_the_step_computes_eagerly(tiny):
+    """On a GPU: the captured graphs (one per bucket) give the eager static step's and the dynamic loop's
+    completions, and are captured once per bucket across calls."""
+    model, tok = tiny
+    model = model.cuda()
+    prompts = _prompts(tok, 8)
+    kw = dict(max_new_tokens=48, do_sample=True, num_return_sequences=8, row_seeds=_seeds(8, 8), temperature=0.8)
+    graphed = generate(model, tok, prompts, cuda_graphs=True, **kw)
+    decoder = static_decode._DECODERS[model]
+    captured = dict(decoder.graphs)
+    assert captured
+    _same(graphed, generate(model, tok, prompts, **kw), atol=1e-4)
+    again = generate(model, tok, prompts, cuda_graphs=True, **kw)
+    assert again.completion_ids == graphed.completion_ids
+    assert all(decoder.graphs[b] is g for b, g in captured.items())  # replayed, not captured again
+    model.cpu()
