@@ -53,8 +53,8 @@ class ModelConfig(Section):
     """Local folder or hub id of any causal LM (default: the embedded tiny model)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when loading from the hub."""
-    dtype: Literal["auto", "float32", "bfloat16", "bf16-mixed", "float16"] = "auto"
-    """Weights dtype; bf16-mixed: bfloat16 weights and matmuls, float32 residual stream and logits (faster on AVX512-BF16 CPUs, larger sampler/trainer gap); auto: bfloat16 on GPUs that have it, else float32."""
+    dtype: Literal["auto", "float32", "bfloat16", "bf16-autocast", "bf16-mixed", "float16"] = "auto"
+    """Weights dtype; bf16-autocast: bfloat16 weights, float32 LoRA adapters, every forward under bfloat16 autocast (TRL's bf16; keeps no float32 copy of each adapted layer's input: less memory than bfloat16, measured on a CPU); bf16-mixed: bfloat16 weights and matmuls, float32 residual stream and logits (faster on AVX512-BF16 CPUs, larger sampler/trainer gap); auto: bfloat16 on GPUs that have it, else float32."""
     device: str = "auto"
     """Torch device (auto, cpu, cuda, cuda:1, ...)."""
     trust_remote_code: bool = False
@@ -202,15 +202,15 @@ class RolloutConfig(Section):
     max_resample_rounds: int = Field(4, ge=1)
     """Most extra sampling rounds per step when dynamic sampling cannot fill the batch."""
     engine: Literal["auto", "fast", "hf", "vllm"] = AUTO
-    """Sampler: fast = our decode loop (prompt prefilled once per group); hf = transformers.generate; vllm = a colocated vLLM engine; auto: fast on CPUs, hf on GPUs (as measured: docs/performance.md)."""
+    """Sampler: fast = our decode loop (prompt prefilled once per group); hf = transformers.generate; vllm = a colocated vLLM engine; auto: fast on CPUs, hf on GPUs (measured on 2 CPU cores and one H100, 0.5B shape: docs/performance.md; fast whenever cuda_graphs is on)."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """The vLLM engine's settings (only with engine vllm)."""
     grouped_decode: Switch = AUTO
-    """Our fast loop's decode step for Llama, Qwen2 and Mistral (full attention): each prompt's keys/values read once for its G rows (engine fast; eval and chat under vllm); auto: on on CPUs, off on GPUs."""
+    """Our fast loop's decode step for Llama, Qwen2 and Mistral (full attention): each prompt's keys/values read once for its G rows (engine fast; eval and chat under vllm); auto: on on CPUs, off on GPUs (measured on 2 CPU cores and one H100)."""
     cuda_graphs: bool = False
     """Our fast loop's decode at static shapes (Llama, Qwen2, Mistral with full attention), each token's step replayed as one CUDA graph on a GPU (on a CPU it runs the same step eagerly: for tests); off until measured on a GPU (scripts/gpu_checklist.sh)."""
     merge_adapter: Switch = AUTO
-    """Sample with the LoRA deltas folded into the base weights, restored exactly after (in bfloat16 the merge rounds the delta: a small sampler/trainer gap); auto: on (off with sharded_generation)."""
+    """Sample with the LoRA deltas folded into the base weights, restored exactly after (in bfloat16 the merge rounds the delta: a small sampler/trainer gap); auto: on (off with sharded_generation; measured on 2 CPU cores and one H100)."""
     sharded_generation: bool = False
     """Under FSDP2: decode on the sharded weights, every process in lockstep (slow: each step gathers every layer, but the whole model never sits on one device); false: gather them to generate."""
     async_lag: int = Field(0, ge=0)
@@ -321,7 +321,7 @@ class OptimConfig(Section):
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward; gradients accumulate up to minibatch_size."""
     share_prompt: Switch = AUTO
-    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (it lost on an H100: docs/performance.md)."""
+    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (measured on 2 CPU cores; it lost on one H100: docs/performance.md)."""
     length_buckets: CountOrAuto = AUTO
     """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; off under FSDP2); auto: 4 on CPUs, 1 on GPUs (measured on CPUs only)."""
     logit_chunk: int | None = Field(None, ge=0)

@@ -1,7 +1,8 @@
 """Model and tokenizer loading: any causal LM by local path, hub id or GGUF file (gguf.py), with LoRA from peft.
 
 dtype "auto" picks bfloat16 on a GPU that supports it (else float16; a training run float32) and float32 on a
-CPU. bf16-mixed keeps
+CPU. bf16-autocast (TRL's bf16 training) runs bfloat16 weights and float32 LoRA adapters under
+torch.autocast (`enable_autocast`). bf16-mixed keeps
 the weights in bfloat16 and runs matmuls and attention in it under torch.autocast, while the residual
 stream, the norms, softmaxes and the output head (the logits) stay float32 (`enable_mixed`,
 `compute_context`); on a CPU with bfloat16 instructions (AVX512-BF16, AMX) it is faster but not the default
@@ -88,6 +89,7 @@ def pick_device(device: str = "auto") -> torch.device:
 
 
 MIXED = "bf16-mixed"  # Lightning's name for bfloat16 compute over float32 accumulations
+AUTOCAST = "bf16-autocast"  # bfloat16 weights, float32 LoRA adapters, every forward under autocast (TRL's bf16)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> str:
@@ -112,7 +114,7 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
     if dtype == "base":
         return "auto"  # transformers' "auto" reads the checkpoint's own dtype
     name = resolve_dtype(dtype, device)
-    return torch.bfloat16 if name == MIXED else getattr(torch, name)
+    return torch.bfloat16 if name in (MIXED, AUTOCAST) else getattr(torch, name)
 
 
 class _Float32Logits(torch.autograd.Function):
@@ -168,10 +170,22 @@ def enable_mixed(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def enable_autocast(model: torch.nn.Module) -> torch.nn.Module:
+    """Mark a bfloat16 model bf16-autocast: every forward under bfloat16 autocast, as TRL trains (bf16=True).
+    peft keeps the LoRA adapters (and so their optimizer state) in float32 over bfloat16 weights; without
+    autocast each adapted layer casts its bfloat16 input to float32 and autograd keeps that copy for the
+    backward, with autocast the adapter's matmul takes the bfloat16 input and the float32 copy is transient
+    (the saved-for-backward bytes of a training forward: tests/test_modeling.py). Unlike bf16-mixed, the
+    residual stream and the logits stay bfloat16, as in plain bfloat16."""
+    model.docuchat_autocast = True
+    return model
+
+
 def compute_context(model: torch.nn.Module):
     """The context every forward of `model` runs in: bfloat16 autocast for a bf16-mixed model (matmuls and
-    attention in bfloat16, everything else float32), else nothing."""
-    if getattr(base_model(model), "docuchat_mixed", False):
+    attention in bfloat16, everything else float32) and a bf16-autocast one (`enable_autocast`), else nothing."""
+    base = base_model(model)
+    if getattr(base, "docuchat_mixed", False) or getattr(base, "docuchat_autocast", False):
         return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -191,7 +205,7 @@ def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str
     """(model on the device in the chosen dtype, tokenizer with a pad token); a load failure is one line
     naming the key."""
     dev = pick_device(device)
-    mixed = dtype != "base" and resolve_dtype(dtype, dev) == MIXED
+    resolved = resolve_dtype(dtype, dev) if dtype != "base" else None
     with _quiet_local_load(Path(name_or_path).expanduser().exists()):
         if is_gguf(name_or_path):  # a llama.cpp file: dequantized into a plain model (gguf.py)
             model, tok = load_gguf(Path(name_or_path).expanduser(), pick_dtype(dtype, dev))
@@ -199,7 +213,11 @@ def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str
             model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    return (enable_mixed(model) if mixed else model).to(dev), tok
+    if resolved == MIXED:
+        enable_mixed(model)
+    elif resolved == AUTOCAST:
+        enable_autocast(model)
+    return model.to(dev), tok
 
 
 @contextlib.contextmanager

@@ -12,7 +12,11 @@ operators with the most time), then prints:
 - this machine's matmul speed in the model's compute dtype at the decode step's shapes (rows x hidden
   against each linear layer's weight), and the bound tokens/s = that speed / FLOPs per token: what the
   rollout would reach if it did nothing but its matmuls at that speed;
-- the measured rollout tokens/s of the profiled step and its share of the bound.
+- the measured rollout tokens/s of the profiled step and its share of the bound;
+- the decode's bandwidth floor: the weights and the rows' KV cache read once per token step at the device's
+  measured copy speed, against the measured milliseconds per token step.
+On a GPU the tables rank operators by their kernels' own CUDA time; `--trace FILE` writes the profiled
+rollout as a Chrome trace.
 """
 
 from __future__ import annotations
@@ -27,21 +31,42 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def matmul_gflops(shapes: list[tuple[int, int, int, object]], threads: int, seconds: float = 1.0) -> float:
+def matmul_gflops(shapes: list[tuple[int, int, int, object]], threads: int, seconds: float = 1.0,
+                  device: str = "cpu") -> float:
     """Achieved GFLOP/s over a list of (rows, in, out, dtype) matmuls, each run as x [rows, in] @ w.T [in, out]."""
     import torch
 
     torch.set_num_threads(threads)
-    pairs = [(torch.randn(m, k, dtype=dt), torch.randn(n, k, dtype=dt)) for m, k, n, dt in shapes]
+    pairs = [(torch.randn(m, k, dtype=dt, device=device), torch.randn(n, k, dtype=dt, device=device))
+             for m, k, n, dt in shapes]
     flops = sum(2 * m * k * n for m, k, n, _ in shapes)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for x, w in pairs:  # warm-up
         torch.nn.functional.linear(x, w)
+    sync()
     reps, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for x, w in pairs:
             torch.nn.functional.linear(x, w)
         reps += 1
+        sync()
     return flops * reps / (time.perf_counter() - t0) / 1e9
+
+
+def copy_gb_per_s(device: str) -> float:
+    """The device's memory bandwidth as a copy of 1 GiB moves it (bytes read and written)."""
+    import torch
+
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        y.copy_(x)
+    sync()
+    return 5 * 2 * x.numel() / (time.perf_counter() - t0) / 1e9
 
 
 def decode_shapes(model, rows: int) -> list[tuple[int, int, int, object]]:
@@ -73,6 +98,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps run; the last is profiled")
     ap.add_argument("--top", type=int, default=12, help="operators shown per phase")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="also write the profiled rollout's trace here (Chrome trace JSON: chrome://tracing, Perfetto)")
     a = ap.parse_args()
 
     import torch
@@ -83,16 +110,23 @@ def main() -> None:
     from docuchat_rl.modeling import base_model
 
     tables, phase_seconds = {}, {}
+    gpu = torch.cuda.is_available()
 
     def profiled(name, fn):
         def wrapper(self, *args, **kwargs):
             if self.step + 1 < a.steps:
                 return fn(self, *args, **kwargs)
             t0 = time.perf_counter()
-            with profile(activities=[ProfilerActivity.CPU]) as p:
+            with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if gpu else [])]) as p:
                 out = fn(self, *args, **kwargs)
+                if gpu:
+                    torch.cuda.synchronize()
             phase_seconds[name] = time.perf_counter() - t0
-            tables[name] = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.top)
+            # (on a GPU: by the kernels' own device time, the launch-bound decode's tell-tale beside the CPU's)
+            tables[name] = p.key_averages().table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total",
+                                                  row_limit=a.top)
+            if a.trace is not None and name.startswith("rollout"):
+                p.export_chrome_trace(str(a.trace))
             return out
         return wrapper
 
@@ -112,7 +146,7 @@ def main() -> None:
     rows = cfg.rollout.prompts_per_step * cfg.rollout.num_generations
     threads = cfg.run.threads or torch.get_num_threads()
     shapes = decode_shapes(model, rows)
-    gflops = matmul_gflops(shapes, threads)
+    gflops = matmul_gflops(shapes, threads, device="cuda" if gpu else "cpu")
     matmul_flops = 2 * sum(k * n for _, k, n, _ in shapes)
     # a token attends to its prompt and the completion before it: half the completion on average
     mean_context = statistics.mean(map(len, prompt_ids)) + last["completion_len/mean"] / 2
@@ -123,6 +157,19 @@ def main() -> None:
     print(f"decode FLOPs per token: {per_token / 1e6:.0f} MFLOP (matmuls {matmul_flops / 1e6:.0f}, "
           f"attention at a mean context of {mean_context:.0f} tokens {attention_flops(model.config, mean_context) / 1e6:.0f})")
     print(f"matmul speed at the decode shapes ({rows} rows): {gflops:.0f} GFLOP/s -> bound {bound:.0f} tokens/s")
+    # the decode's floor: a token step reads every weight once and the rows' KV cache (at half the completion)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_bytes = (2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * rows * mean_context
+                * next(model.parameters()).element_size())
+    bandwidth = copy_gb_per_s("cuda" if gpu else "cpu")
+    floor_ms = (weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
+    new_tokens = cfg.rollout.max_new_tokens
+    step_ms = last["time/rollout"] / new_tokens * 1e3
+    print(f"decode floor: {weight_bytes / 1e9:.2f} GB of weights + {kv_bytes / 1e9:.2f} GB of KV cache at "
+          f"{bandwidth:.0f} GB/s = {floor_ms:.2f} ms a token step; measured {step_ms:.2f} ms (the rollout's "
+          f"seconds / {new_tokens} tokens, prefill included) = {step_ms / floor_ms:.0f}x the floor")
     measured = last["rollout_tokens_per_s"]
     print(f"measured rollout (step {last['step']}): {measured:.0f} tokens/s = {100 * measured / bound:.0f}% of the bound; "
           f"step phases: " + ", ".join(f"{k.removeprefix('time/')} {v:.2f} s" for k, v in last.items()

@@ -290,3 +290,62 @@ def test_lora_target_modules_that_match_nothing_are_one_line_listing_the_linear_
         build_lora(model, LoraConfig(target_modules=["qkv"]))
     assert "\n" not in str(e.value)
 
+
+
+def _saved_bytes_and_grads(autocast: bool, ids: torch.Tensor):
+    """A LoRA'd tiny Qwen2 in bfloat16 (float32 adapters, as peft keeps them): the bytes autograd keeps for
+    the backward of a log-prob loss (each storage once), the adapters' gradients, their dtypes."""
+    import transformers as tf
+
+    from docuchat_rl.config import LoraConfig
+    from docuchat_rl.modeling import build_lora, compute_context, enable_autocast
+
+    torch.manual_seed(0)
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(vocab_size=int(ids.max()) + 1, hidden_size=128, intermediate_size=352,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               tie_word_embeddings=True)).to(torch.bfloat16)
+    model = build_lora(enable_autocast(model) if autocast else model, LoraConfig(r=16, alpha=32))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)  # (as after training: B = 0 would give A no gradient)
+    saved = {}
+
+    def pack(t):
+        saved[(t.untyped_storage().data_ptr(), t.dtype, tuple(t.shape))] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), compute_context(model):
+        logits = model(input_ids=ids).logits  # [B, L, V]
+        loss = logits.float().log_softmax(-1)[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+    loss.backward()
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return sum(saved.values()), torch.cat([p.grad.flatten() for p in trained]), {p.dtype for p in trained}
+
+
+def test_bf16_autocast_keeps_fewer_bytes_for_the_backward_and_the_same_gradients(tiny):
+    """model.dtype bf16-autocast (TRL's bf16 training): float32 adapters over bfloat16 weights, the forward
+    under autocast. Without autocast peft casts each adapted layer's input to float32 and autograd keeps that
+    copy; with it the saved bytes drop (measured 1.27x on this model) and the adapters' gradients stay within
+    bfloat16 rounding of plain bfloat16's (measured 0.9% apart)."""
+    _, tok = tiny
+    ids = torch.randint(0, len(tok), (4, 96), generator=torch.Generator().manual_seed(0))  # [B, L]
+    plain_bytes, plain_grads, plain_dtypes = _saved_bytes_and_grads(False, ids)
+    auto_bytes, auto_grads, auto_dtypes = _saved_bytes_and_grads(True, ids)
+    assert plain_dtypes == auto_dtypes == {torch.float32}  # the adapters (and so Adam's state) in float32
+    assert plain_bytes > 1.2 * auto_bytes, (plain_bytes, auto_bytes)
+    assert (plain_grads - auto_grads).norm() < 0.03 * plain_grads.norm()
+    assert not torch.equal(plain_grads, auto_grads)  # (the adapters' matmuls really ran in bfloat16)
+
+
+def test_bf16_autocast_loads_and_samples_under_autocast():
+    from docuchat_rl.modeling import compute_context, load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(MODEL), dtype="bf16-autocast", device="cpu")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with compute_context(model):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    out = generate(model, tok, ["<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"],
+                   max_new_tokens=8, do_sample=False)
+    assert len(out.completion_ids[0]) > 0 and all(-1e9 < x <= 0 for x in out.logps[0])

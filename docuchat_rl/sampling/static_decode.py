@@ -110,7 +110,7 @@ class StaticDecoder:
         self.min_value = torch.finfo(shape.dtype).min
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.weights = _weights_key(model)
-        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        self.graphed = dev.type == "cuda"
 
     # ---- the step: fixed shapes, no host reads, every output written into the buffers ----
 
@@ -144,7 +144,7 @@ class StaticDecoder:
         column = nxt.view(1, 1).expand(b, 1)  # [b, 1]
         self.out_tokens[:b].scatter_(1, column, drawn)
         self.out_logps[:b].scatter_(1, column, logp)
-        self.done[:b] |= torch.isin(drawn[:, 0], self.stop)
+        self.done[:b] |= (drawn == self.stop).any(-1)  # (not isin: its sorting path would read sizes back)
         self.tokens_in[:b].copy_(drawn[:, 0])
 
     def _attention(self, attn, h, cos, sin, mask, where, i: int, b: int) -> torch.Tensor:
@@ -167,7 +167,7 @@ class StaticDecoder:
 
     def run(self, b: int) -> None:
         """One step over bucket b: the bucket's graph replayed on a GPU (captured at first use), else eagerly."""
-        if self.pool is None:
+        if not self.graphed:
             self.step(b)
             return
         graph = self.graphs.get(b)
@@ -188,7 +188,7 @@ class StaticDecoder:
                 self.step(b)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), _uncached_autocast():
+        with torch.cuda.graph(graph), _uncached_autocast():  # (a private memory pool per bucket's graph)
             self.step(b)
         self.tokens_in[:b].copy_(saved[0])
         self.done[:b].copy_(saved[1])

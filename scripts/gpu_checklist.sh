@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# The GPU checklist: run this first whenever a GPU machine is at hand. Every stage writes its table into
+# docs/gpu/DATE.md as it ends (and a copy into $OUT, which the device tool brings back), so a run cut short
+# keeps what it measured; the stages go most-wanted first and one that no longer fits the time left is
+# skipped, saying so. At the end it prints what to commit.
+#
+#   scripts/gpu_checklist.sh --fetch-wheels       # HERE, before the device call: the wheels the GPU image lacks, into .whl/
+#   scripts/gpu_checklist.sh                      # THERE (device tool, carry [".whl"]): every stage, 25 minutes
+#   scripts/gpu_checklist.sh --minutes 9          # the time one device call allows (stages that fit, in order)
+#   scripts/gpu_checklist.sh --only "tests graphs"  # some stages (names below)
+#   scripts/gpu_checklist.sh --dry-run            # on a CPU: every stage end to end on tiny shapes (qwen2-tiny,
+#                                                 # 2 x 2 completions x 8 tokens); report under /tmp unless --report
+#
+# The wheels (WHEELS below): the GPU image has torch, transformers, peft, accelerate, numpy, pandas, pyarrow,
+# rich, sympy and tqdm (the device library's KINDS.md) but not TRL, datasets, pydantic or the rewards'
+# parsers. --fetch-wheels downloads them (CPython 3.12, manylinux x86-64, no dependencies: each needed one is
+# named) into .whl/ (git-ignored), about 21 MB; transformers and peft are carried too, at the versions CI
+# tests. Left out on purpose: lingua-language-detector (96 MB, over a call's 64 MB; only the language reward
+# imports it), duckdb (25 MB; only the audit imports it) and vLLM (GBs).
+#
+# Stages, in the order they run (the figures each feeds are named in docs/performance.md, "GPU"):
+#   env       the GPU, torch, CUDA, every package's version, our package imports
+#   tests     the CUDA tests (static decode replayed as CUDA graphs against the eager step) and the decode tests
+#   graphs    our step at the 0.5B shape: GPU defaults, the fast loop with CUDA graphs (merged adapter and
+#             not), bf16-autocast (TRL's memory recipe) and both together
+#   trl       our step against TRL's GRPOTrainer at the same settings (GPU defaults)
+#   trl-graphs the same with CUDA graphs and bf16-autocast
+#   switches  each remaining switch flipped: the fast loop without graphs, the shared prompt, length_buckets,
+#             logit_chunk 0, activation checkpointing
+#   profile   torch's profiler on one step of each engine (hf, fast, fast + graphs), CUDA time per operator
+#   lag       the fixed lag: async_lag 1 in the learner's process and with a worker process
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.0 multiprocess==0.70.18 pydantic==2.13.4 pydantic-core==2.46.4
+        annotated-types==0.8.0 typing-inspection==0.4.5 math-verify==0.9.0 latex2sympy2_extended==1.11.0
+        antlr4-python3-runtime==4.13.2 gguf==0.19.0 simpleeval==1.0.8 transformers==5.24.0 peft==0.21.2)
+STAGES_ALL="env tests graphs trl trl-graphs switches profile lag"
+
+DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --minutes) MINUTES="$2"; shift ;;
+    --only) ONLY="$2"; shift ;;
+    --report) REPORT="$2"; shift ;;
+    --fetch-wheels) FETCH=1 ;;
+    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    *) echo "gpu_checklist.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+if [ "$FETCH" = 1 ]; then
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore || echo '/.whl/' >> .git/info/exclude
+  mkdir -p .whl
+  for w in "${WHEELS[@]}"; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "$w" || { echo "could not fetch $w" >&2; exit 1; }
+  done
+  du -sh .whl
+  echo "now: the device tool's run with carry [\".whl\"] and the command 'scripts/gpu_checklist.sh --minutes 9'"
+  exit 0
+fi
+
+START=$(date +%s)
+DATE=$(date +%F)
+if [ -z "$REPORT" ]; then
+  if [ "$DRY" = 1 ]; then REPORT="$(mktemp -d)/gpu-dry-run-$DATE.md"; else REPORT="docs/gpu/$DATE.md"; fi
+fi
+mkdir -p "$(dirname "$REPORT")"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # the carried wheels, in front of the image's own packages
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "the carried wheels did not install" >&2; exit 1; }
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PY=python3
+
+if [ "$DRY" = 1 ]; then  # every stage on tiny shapes, on whatever device there is (the CPU here)
+  SHAPE=qwen2-tiny
+  SIZES=(--prompts 2 --generations 2 --max-new 8 --steps 2 --warmup 1 --repeats 1 --threads 2)
+  SETS=(--set optim.micro_batch_size=4 --set lora.r=4 --set lora.alpha=8)
+  PROFILE_SETS=(--set rollout.prompts_per_step=2 --set rollout.num_generations=2 --set rollout.max_new_tokens=8
+                --set rollout.min_new_tokens=8 --set optim.micro_batch_size=4)
+  LAG_STEPS=3
+else  # the 0.5B shape at the sizes of the first GPU measurements (docs/performance.md, "GPU")
+  SHAPE=qwen2.5-0.5b
+  SIZES=(--prompts 16 --generations 8 --max-new 256 --steps 5 --warmup 2 --repeats 1 --threads 8)
+  SETS=(--set optim.micro_batch_size=16 --set lora.r=32 --set lora.alpha=64)
+  PROFILE_SETS=(--set rollout.prompts_per_step=16 --set rollout.num_generations=8 --set rollout.max_new_tokens=256
+                --set rollout.min_new_tokens=256 --set optim.micro_batch_size=16 --set lora.r=32 --set lora.alpha=64)
+  LAG_STEPS=6
+fi
+BENCH=("$PY" scripts/benchmark.py --shape "$SHAPE" --lengths fixed "${SIZES[@]}" "${SETS[@]}")
+
+# the shape's model folder, for the scripts that take a model path (profile, lag)
+SHAPE_DIR="$(mktemp -d)/$SHAPE"
+model_dir() {
+  [ -d "$SHAPE_DIR" ] || "$PY" -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; \
+import benchmark; benchmark.build_shape('$SHAPE', Path('$SHAPE_DIR'))" >/dev/null
+  echo "$SHAPE_DIR"
+}
+
+{
+  echo "# GPU checklist, $DATE$([ "$DRY" = 1 ] && echo " (dry run on tiny shapes: the figures mean nothing)")"
+  echo
+  echo "\`scripts/gpu_checklist.sh $*\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), shape $SHAPE."
+  echo "Each stage: its command, then what it printed (the tables), its exit status and seconds."
+} > "$REPORT"
+
+mirror() { if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then cp "$REPORT" "$OUT/"; fi; }
+
+left() { echo $(( MINUTES * 60 - ($(date +%s) - START) )); }
+
+# stage NAME SECONDS COMMAND...: run it if wanted and if it fits the time left, its output into the report
+stage() {
+  local name="$1" limit="$2"; shift 2
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
+  local remaining; remaining=$(left)
+  if [ "$remaining" -lt $(( limit / 2 )) ]; then
+    printf '\n## %s\n\nskipped: %s s left of --minutes %s, the stage may take %s s\n' "$name" "$remaining" "$MINUTES" "$limit" >> "$REPORT"
+    echo "== $name: skipped (${remaining}s left)"; mirror; return 0
+  fi
+  [ "$limit" -gt "$remaining" ] && limit=$remaining
+  echo "== $name (at most ${limit}s)"
+  local log t0 rc; log=$(mktemp); t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  {
+    printf '\n## %s\n\n    %s\n\n```\n' "$name" "$*"
+    # the tables and one-line results; a failure's last lines
+    if [ "$rc" = 0 ]; then grep -v -E '^\s*$|Warning|warn\(|^  warnings' "$log" | tail -n 80; else tail -n 40 "$log"; fi
+    printf '```\n\nexit %s%s after %s s\n' "$rc" "$([ "$rc" = 124 ] && echo ' (timed out)')" $(( $(date +%s) - t0 ))
+  } >> "$REPORT"
+  rm -f "$log"
+  mirror
+}
+
+for s in ${ONLY}; do [[ " $STAGES_ALL " == *" $s "* ]] || { echo "unknown stage $s; stages: $STAGES_ALL" >&2; exit 2; }; done
+
+stage env 60 "$PY" - <<'PY'
+import importlib, importlib.metadata as md, platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| GPU", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)")
+for name in ["transformers", "peft", "trl", "accelerate", "datasets", "pydantic", "math-verify", "gguf", "simpleeval"]:
+    try:
+        print(f"  {name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name} MISSING")
+import docuchat_rl.run, docuchat_rl.sampling.static_decode, trl  # noqa: E401 (what every later stage needs)
+print("imports: ok")
+PY
+
+stage tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_grouped_decode.py \
+  tests/test_generation.py -k "not browser"
+
+stage graphs 420 "${BENCH[@]}" --switches \
+  --flip "rollout.cuda_graphs=true" --flip "rollout.cuda_graphs=true + rollout.merge_adapter=false" \
+  --flip "model.dtype=bf16-autocast" --flip "rollout.cuda_graphs=true + model.dtype=bf16-autocast"
+
+stage trl 480 "${BENCH[@]}"
+stage trl-graphs 360 "${BENCH[@]}" --set rollout.cuda_graphs=true --set model.dtype=bf16-autocast
+
+stage switches 540 "${BENCH[@]}" --switches \
+  --flip "rollout.engine=fast" --flip "rollout.engine=fast + rollout.grouped_decode=true" \
+  --flip "optim.share_prompt=true" --flip "optim.length_buckets=4" --flip "optim.logit_chunk=0" \
+  --flip "model.gradient_checkpointing=true"
+
+for variant in "hf:--set rollout.engine=hf" "fast:--set rollout.engine=fast" \
+               "graphs:--set rollout.engine=fast --set rollout.cuda_graphs=true"; do
+  name="profile-${variant%%:*}"
+  [[ " $ONLY " == *" profile "* ]] && ONLY="$ONLY $name"
+  # shellcheck disable=SC2086
+  stage "$name" 180 "$PY" scripts/profile_step.py --config config/default.yaml --steps 2 --top 15 \
+    --set "model.name_or_path=$(model_dir)" "${PROFILE_SETS[@]}" --trace "${OUT:-/tmp}/trace-${variant%%:*}.json" \
+    ${variant#*:}
+done
+
+stage lag 420 "$PY" scripts/async_lag.py --config config/default.yaml --steps "$LAG_STEPS" --lags 1 --eval-limit 0 \
+  --set "model.name_or_path=$(model_dir)" "${PROFILE_SETS[@]}"
+
+echo
+echo "report: $REPORT ($(( $(date +%s) - START )) s)"
+if [ "$DRY" = 0 ]; then
+  echo "to commit: the report, as docs/gpu/$DATE.md (from the device tool's files_at when it ran there), then"
+  echo "  git add docs/gpu/$DATE.md && git commit -m 'GPU checklist $DATE'"
+  echo "and carry its figures into docs/performance.md's GPU section and config.Config.for_device."
+fi
