@@ -37,6 +37,7 @@ WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.0 multiprocess==0.70.18 pydantic==
         antlr4-python3-runtime==4.13.2 gguf==0.19.0 simpleeval==1.0.8 transformers==5.24.0 peft==0.21.2)
 STAGES_ALL="env tests graphs trl trl-graphs switches profile lag"
 
+ARGS="$*"
 DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -50,6 +51,8 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+
+for s in ${ONLY}; do [[ " $STAGES_ALL " == *" $s "* ]] || { echo "unknown stage $s; stages: $STAGES_ALL" >&2; exit 2; }; done
 
 if [ "$FETCH" = 1 ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore || echo '/.whl/' >> .git/info/exclude
@@ -89,7 +92,7 @@ if [ "$DRY" = 1 ]; then  # every stage on tiny shapes, on whatever device there 
   LAG_STEPS=3
 else  # the 0.5B shape at the sizes of the first GPU measurements (docs/performance.md, "GPU")
   SHAPE=qwen2.5-0.5b
-  SIZES=(--prompts 16 --generations 8 --max-new 256 --steps 5 --warmup 2 --repeats 1 --threads 8)
+  SIZES=(--prompts 16 --generations 8 --max-new 256 --steps 4 --warmup 1 --repeats 1 --threads 8)
   SETS=(--set optim.micro_batch_size=16 --set lora.r=32 --set lora.alpha=64)
   PROFILE_SETS=(--set rollout.prompts_per_step=16 --set rollout.num_generations=8 --set rollout.max_new_tokens=256
                 --set rollout.min_new_tokens=256 --set optim.micro_batch_size=16 --set lora.r=32 --set lora.alpha=64)
@@ -108,18 +111,20 @@ import benchmark; benchmark.build_shape('$SHAPE', Path('$SHAPE_DIR'))" >/dev/nul
 {
   echo "# GPU checklist, $DATE$([ "$DRY" = 1 ] && echo " (dry run on tiny shapes: the figures mean nothing)")"
   echo
-  echo "\`scripts/gpu_checklist.sh $*\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), shape $SHAPE."
+  echo "\`scripts/gpu_checklist.sh $ARGS\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), shape $SHAPE."
   echo "Each stage: its command, then what it printed (the tables), its exit status and seconds."
 } > "$REPORT"
 
 mirror() { if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then cp "$REPORT" "$OUT/"; fi; }
+
+wanted() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
 
 left() { echo $(( MINUTES * 60 - ($(date +%s) - START) )); }
 
 # stage NAME SECONDS COMMAND...: run it if wanted and if it fits the time left, its output into the report
 stage() {
   local name="$1" limit="$2"; shift 2
-  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then return 0; fi
+  wanted "$name" || return 0
   local remaining; remaining=$(left)
   if [ "$remaining" -lt $(( limit / 2 )) ]; then
     printf '\n## %s\n\nskipped: %s s left of --minutes %s, the stage may take %s s\n' "$name" "$remaining" "$MINUTES" "$limit" >> "$REPORT"
@@ -140,7 +145,6 @@ stage() {
   mirror
 }
 
-for s in ${ONLY}; do [[ " $STAGES_ALL " == *" $s "* ]] || { echo "unknown stage $s; stages: $STAGES_ALL" >&2; exit 2; }; done
 
 stage env 60 "$PY" - <<'PY'
 import importlib, importlib.metadata as md, platform, torch
@@ -174,13 +178,23 @@ for variant in "hf:--set rollout.engine=hf" "fast:--set rollout.engine=fast" \
                "graphs:--set rollout.engine=fast --set rollout.cuda_graphs=true"; do
   name="profile-${variant%%:*}"
   [[ " $ONLY " == *" profile "* ]] && ONLY="$ONLY $name"
+  wanted "$name" || continue
   # shellcheck disable=SC2086
+  trace="${OUT:-/tmp}/trace-${variant%%:*}.json"
   stage "$name" 180 "$PY" scripts/profile_step.py --config config/default.yaml --steps 2 --top 15 \
-    --set "model.name_or_path=$(model_dir)" "${PROFILE_SETS[@]}" --trace "${OUT:-/tmp}/trace-${variant%%:*}.json" \
-    ${variant#*:}
+    --set "model.name_or_path=$(model_dir)" "${PROFILE_SETS[@]}" --trace "$trace" ${variant#*:}
+  if [ -f "$trace" ]; then  # (what comes back from the device is at most 16 MB a file)
+    gzip -f "$trace"
+    if [ "$(stat -c %s "$trace.gz")" -gt 15000000 ]; then
+      rm -f "$trace.gz"; echo "the trace was over 15 MB gzipped: left out" >> "$REPORT"
+    else
+      echo "trace: $(basename "$trace").gz (Perfetto or chrome://tracing)" >> "$REPORT"
+    fi
+    mirror
+  fi
 done
 
-stage lag 420 "$PY" scripts/async_lag.py --config config/default.yaml --steps "$LAG_STEPS" --lags 1 --eval-limit 0 \
+wanted lag && stage lag 420 "$PY" scripts/async_lag.py --config config/default.yaml --steps "$LAG_STEPS" --lags 1 --eval-limit 0 \
   --set "model.name_or_path=$(model_dir)" "${PROFILE_SETS[@]}"
 
 echo

@@ -103,11 +103,14 @@ def test_models_the_static_step_does_not_cover_decode_as_before(tiny):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/gpu_checklist.sh runs this)")
-def test_cuda_graphs_replay_what_the_step_computes_eagerly(tiny):
-    """On a GPU: the captured graphs (one per bucket) give the eager static step's and the dynamic loop's
-    completions, and are captured once per bucket across calls."""
-    model, tok = tiny
-    model = model.cuda()
+def test_cuda_graphs_replay_what_the_step_computes_eagerly():
+    """On a GPU: the captured graphs (one per bucket) give the dynamic loop's completions, are captured once
+    per bucket across calls, and a bf16-autocast model's graphs (autocast's cast cache off) sample too."""
+    from docuchat_rl.modeling import load_model_and_tokenizer
+
+    from .conftest import MODEL
+
+    model, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cuda")
     prompts = _prompts(tok, 8)
     kw = dict(max_new_tokens=48, do_sample=True, num_return_sequences=8, row_seeds=_seeds(8, 8), temperature=0.8)
     graphed = generate(model, tok, prompts, cuda_graphs=True, **kw)
@@ -118,4 +121,28 @@ def test_cuda_graphs_replay_what_the_step_computes_eagerly(tiny):
     again = generate(model, tok, prompts, cuda_graphs=True, **kw)
     assert again.completion_ids == graphed.completion_ids
     assert all(decoder.graphs[b] is g for b, g in captured.items())  # replayed, not captured again
-    model.cpu()
+    mixed, _ = load_model_and_tokenizer(str(MODEL), dtype="bf16-mixed", device="cuda")
+    graphed = generate(mixed, tok, prompts, cuda_graphs=True, **kw)
+    assert static_decode._DECODERS[mixed].graphs
+    same = sum(a == b for a, b in zip(graphed.completion_ids, generate(mixed, tok, prompts, **kw).completion_ids))
+    assert same >= 0.8 * len(graphed.completion_ids)  # (bf16: the two attention layouts round differently)
+
+
+def test_the_gpu_checklist_reports_each_stage_and_refuses_unknown_ones(tmp_path):
+    """scripts/gpu_checklist.sh (its whole dry run takes ~5 minutes on a CPU: run by hand): a stage's output
+    lands in the report as it ends, a stage that does not fit the time left is skipped saying so, an unknown
+    stage is refused."""
+    import subprocess
+
+    from .conftest import ROOT
+
+    report = tmp_path / "r.md"
+    done = subprocess.run(["bash", "scripts/gpu_checklist.sh", "--dry-run", "--only", "env tests", "--minutes", "1",
+                           "--report", str(report)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = report.read_text()
+    assert "## env" in text and "imports: ok" in text and "exit 0" in text
+    assert "## tests\n\nskipped:" in text  # (240 s wanted, under a minute left)
+    bad = subprocess.run(["bash", "scripts/gpu_checklist.sh", "--dry-run", "--only", "nope"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown stage nope" in bad.stderr
