@@ -309,6 +309,7 @@ class TrainerState:
     no_reward_streak: int = 0  # steps in a row in which no reward component gave any completion a value
     world_size: int = 1  # processes that wrote the checkpoint
     data: dict = field(default_factory=dict)  # data.fingerprint of the training rows (rows, sha256)
+    curriculum: dict = field(default_factory=dict)  # data.curriculum: Curriculum.state() (level, recent accuracies)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -96,6 +96,19 @@ class FewShotTurn(Section):
     """What is said."""
 
 
+class CurriculumConfig(Section):
+    """Easy rows first: the training rows up to a difficulty level, the next level joining when the run's own training accuracy reaches promote_at (recorded in the metrics, resumed exactly)."""
+
+    level: str = "calculations"
+    """A row's level: calculations = the number of <<a op b=c>> annotations in its answer (GSM8K's, ours), or the name of a column of whole numbers."""
+    start: int = Field(1, ge=0)
+    """The first level: training starts on the rows at this level or below."""
+    promote_at: float = Field(0.6, gt=0, le=1)
+    """The mean training accuracy over the last `window` steps at which the next level joins (the rows of every level so far stay in)."""
+    window: int = Field(10, ge=1)
+    """Steps the accuracy is averaged over (counted afresh at each level)."""
+
+
 class DataConfig(Section):
     """The training and held-out prompts: sources, columns, system prompt, length limit."""
 
@@ -121,6 +134,8 @@ class DataConfig(Section):
     """Chat turns put before every prompt, after the system prompt: a demonstration of the answer's shape (e.g. a tool call, docs/tools.md)."""
     max_prompt_tokens: int = Field(512, ge=1)
     """Prompts longer than this (in tokens) are an error naming the row."""
+    curriculum: CurriculumConfig | None = None
+    """Easy rows first, harder ones joining as the training accuracy rises (null: every row from the start)."""
 
     @property
     def few_shot_turns(self) -> list[dict]:
@@ -455,6 +470,14 @@ class Config(Section):
         if r.engine == "vllm" and r.vllm.mode == "server" and r.async_worker_threads:
             raise ValueError("rollout.async_worker_threads does not apply to rollout.vllm.mode server: the servers "
                              "sample ahead themselves (set it to 0)")
+        if self.data.curriculum is not None and r.async_lag:
+            raise ValueError("data.curriculum cannot be used with rollout.async_lag (a fixed lag takes later steps' "
+                             "prompts before the accuracy that decides their level is known)")
+        names = {c.name for c in self.rewards.components}
+        if self.data.curriculum is not None and self.rewards.accuracy_component not in names:
+            raise ValueError(f"data.curriculum promotes on the training accuracy, the mean of reward "
+                             f"{self.rewards.accuracy_component!r} (rewards.accuracy_component), which is not among "
+                             "the rewards")
         if r.async_lag and r.dynamic_sampling:
             raise ValueError("rollout.async_lag cannot be used with rollout.dynamic_sampling (its refill reads the "
                              "same step's rewards, which a fixed lag samples ahead of)")

@@ -5,7 +5,9 @@ answers ("... #### 72") are reduced to their final answer for scoring by `reward
 the one rule used everywhere. A prompt is either text (one user turn) or, as in TRL's conversational
 data sets, a list of `{"role", "content"}` messages (any turns); both are rendered through the
 tokenizer's chat template, with the configured system prompt put first when the messages carry none.
-`PromptSampler` gives the data order (epoch-wise permutations).
+`PromptSampler` gives the data order (epoch-wise permutations); with `data.curriculum`, `CurriculumSampler`
+draws from the rows up to the current difficulty level and `Curriculum` decides, from the run's own
+training accuracy, when the next level joins.
 
 Deliberately left out: streaming data sets; tool calls and images inside messages (text content only).
 """
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from rewards.correctness import gold_of
 
 if TYPE_CHECKING:
-    from .config import DataConfig
+    from .config import CurriculumConfig, DataConfig
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 _CALC = re.compile(r"<<[^>]*>>")
@@ -237,3 +239,102 @@ class PromptSampler:
 
     def state(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}
+
+
+CALCULATIONS = "calculations"  # data.curriculum.level: a row's level is the count of <<a op b=c>> in its answer
+
+
+def levels_of(examples: list[Example], c: CurriculumConfig, answer_column: str | None) -> list[int]:
+    """Each training row's difficulty level (data.curriculum.level): the number of GSM8K calculator
+    annotations (`<<4+3=7>>`) in its raw answer, or a column of whole numbers; a row without one is an
+    error naming it.
+
+    >>> from docuchat_rl.config import CurriculumConfig
+    >>> rows = [Example(0, "Q", "5", {"answer": "4 + 3 = <<4+3=7>>7\\n7 - 2 = <<7-2=5>>5\\n#### 5"})]
+    >>> levels_of(rows, CurriculumConfig(start=2), "answer")
+    [2]
+    """
+    out = []
+    for e in examples:
+        if c.level == CALCULATIONS:
+            raw = e.columns.get(answer_column) if answer_column else None
+            n = len(_CALC.findall(raw)) if isinstance(raw, str) else 0
+            if n == 0:
+                raise DataError(f"row {e.prompt_id}: data.curriculum.level {CALCULATIONS} counts the <<a op b=c>> "
+                                f"annotations of column {answer_column!r}, and this row has none: give the rows a "
+                                "level column and name it in data.curriculum.level")
+        else:
+            n = e.columns.get(c.level)
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise DataError(f"row {e.prompt_id}: column {c.level!r} (data.curriculum.level) holds {n!r}, not a "
+                                "whole number" if c.level in e.columns else
+                                f"row {e.prompt_id}: no column {c.level!r} (data.curriculum.level); columns are "
+                                f"{sorted(e.columns)}")
+        out.append(n)
+    if not any(n <= c.start for n in out):
+        raise DataError(f"data.curriculum.start {c.start}: no training row is at that level or below (levels "
+                        f"{min(out)}-{max(out)})")
+    return out
+
+
+class CurriculumSampler(PromptSampler):
+    """`PromptSampler`'s order over the rows whose level is at most `level` (their own permutations, seeded
+    by the level too); `promote` starts the next level's pool at its first epoch. Its state: the level,
+    epoch and position."""
+
+    def __init__(self, levels: list[int], seed: int, level: int, epoch: int = 0, position: int = 0):
+        self.levels, self.level, self.base_seed = levels, level, seed
+        self.pool = [i for i, n in enumerate(levels) if n <= level]  # row indices in file order
+        super().__init__(len(self.pool), f"{seed}-level{level}", epoch, position)
+
+    def take(self, k: int) -> list[int]:
+        return [self.pool[i] for i in super().take(k)]
+
+    def state(self) -> dict:
+        return {**super().state(), "level": self.level}
+
+    def promote(self, level: int) -> None:
+        """Draw from the rows up to `level` from now on (a new permutation, from its start)."""
+        self.__init__(self.levels, self.base_seed, level)
+
+
+def make_sampler(n: int, seed: int, state: dict, levels: list[int] | None = None,
+                 level: int | None = None) -> PromptSampler:
+    """The run's data order at `state` (a sampler's `state()`); with `levels` a curriculum's at `level` (a
+    level the curriculum reached after `state` was taken starts that level's order afresh)."""
+    if levels is None:
+        return PromptSampler(n, seed, **state)
+    sampler = CurriculumSampler(levels, seed, **{"level": level, **state})
+    if level is not None and level > sampler.level:
+        sampler.promote(level)
+    return sampler
+
+
+@dataclass
+class Curriculum:
+    """When the next level joins: once the mean training accuracy of the last `window` steps at the current
+    level reaches `promote_at` (every process sees the same step metrics, so each decides the same)."""
+
+    config: CurriculumConfig
+    present: list[int]  # the levels the data has, ascending
+    level: int  # the current level
+    recent: list[float] = field(default_factory=list)  # the current level's last `window` step accuracies
+
+    @classmethod
+    def start(cls, config: CurriculumConfig, levels: list[int], state: dict) -> Curriculum:
+        """At the run's start (`state` empty) or where a checkpoint left it (`state()`)."""
+        return cls(config, sorted(set(levels)), state.get("level", config.start), list(state.get("recent", [])))
+
+    def observe(self, accuracy: float | None) -> bool:
+        """Record a step's training accuracy; True when the next level joins now."""
+        above = [n for n in self.present if n > self.level]
+        if accuracy is None or not above:
+            return False
+        self.recent = (self.recent + [accuracy])[-self.config.window:]
+        if len(self.recent) < self.config.window or sum(self.recent) / len(self.recent) < self.config.promote_at:
+            return False
+        self.level, self.recent = above[0], []  # (the next level the data has)
+        return True
+
+    def state(self) -> dict:
+        return {"level": self.level, "recent": list(self.recent)}

@@ -34,7 +34,7 @@ from .checkpoint import (
     verify_checkpoint,
 )
 from .config import Config, OptimConfig
-from .data import DataError, Example, PromptSampler, fingerprint, load_split, render_prompt
+from .data import Curriculum, DataError, Example, fingerprint, levels_of, load_split, make_sampler, render_prompt
 from .distributed import (
     Dist,
     Sharding,
@@ -138,6 +138,8 @@ class Run:
     wandb: object  # a wandb run, or None
     lock: RunLock | None  # the output folder's lock (main process)
     lagged: LaggedPolicies | None = None  # rollout.async_lag's adapter versions (lag.py)
+    levels: list[int] | None = None  # data.curriculum: each training row's level
+    curriculum: Curriculum | None = None  # data.curriculum: the level reached and the accuracies deciding the next
 
     def close(self) -> None:
         """Close the files, wandb and a vLLM engine, release the folder."""
@@ -276,6 +278,8 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
                         f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}): a step would sample a prompt "
                         "twice; lower rollout.prompts_per_step or add rows")
     rows = fingerprint(examples)
+    c = cfg.data.curriculum
+    levels = levels_of(examples, c, cfg.data.answer_column) if c is not None else None  # (before the model loads)
     if resume_dir:  # (before the model loads)
         _check_same_rows(cfg.data.train, resume_dir, rows)
     model, tokenizer, algo, params = _model(cfg, place)
@@ -306,7 +310,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         spec, engine = None, kind(ctx)  # (servers: checked that they answer and serve this model)
     try:
         return _assemble(cfg, out_dir, place, resume_dir, examples, lock, model, tokenizer, algo, params, optimizer,
-                         scheduler, prompt_texts, reward, rows, engine, spec, multiturn)
+                         scheduler, prompt_texts, reward, rows, engine, spec, multiturn, levels)
     except BaseException:  # (a failure after the engine started: it is closed, not left holding its memory)
         engine.close()
         raise
@@ -315,7 +319,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
 def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example],
               lock: RunLock | None, model, tokenizer, algo: Algorithm, params, optimizer, scheduler,
               prompt_texts: list[str], reward: CompositeReward, rows: dict, engine: Engine, spec,
-              multiturn: MultiTurn | None = None) -> Run:
+              multiturn: MultiTurn | None = None, levels: list[int] | None = None) -> Run:
     """The run's state (resumed or fresh), its learner, collector, files and wandb; a fixed lag's worker is
     started last, when nothing after it can fail and leave it running."""
     dist = place.dist
@@ -340,7 +344,9 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
                 raise CheckpointError(f"cannot resume with rollout.async_lag: {e}") from None
         else:
             lagged.record(0, model)
-    sampler = PromptSampler(len(examples), cfg.run.seed, **state.sampler)
+    curriculum = Curriculum.start(cfg.data.curriculum, levels, state.curriculum) if levels is not None else None
+    sampler = make_sampler(len(examples), cfg.run.seed, state.sampler, levels,
+                           curriculum.level if curriculum is not None else None)
     vocab = model.get_output_embeddings().weight.shape[0]
     chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
     learner = Learner(cfg, model, algo, params, optimizer, scheduler, place.accelerator, dist,
@@ -366,7 +372,7 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
             wandb_run.finish()
         raise
     return Run(cfg, out_dir, place, tokenizer, learner, collector, reward, examples, state, outputs, wandb_run,
-               lock, lagged)
+               lock, lagged, levels, curriculum)
 
 
 def _check_same_rows(train: str, resume_dir: Path, rows: dict) -> None:

@@ -100,10 +100,11 @@ def make_split(seed: int, n: int, exclude: set[str] | None = None, ops: tuple[in
 
 
 def make_task(seed: int = 1234, n_train: int = 6000, n_test: int = 500,
-              ops: tuple[int, int] = (2, 4)) -> dict[str, list[Problem]]:
-    """Disjoint train and test splits; the test split is drawn first so its size never shifts it."""
-    test = make_split(seed + 1, n_test, ops=ops)
-    train = make_split(seed, n_train, exclude={p.question for p in test}, ops=ops)
+              ops: tuple[int, int] = (2, 4), exclude: set[str] | None = None) -> dict[str, list[Problem]]:
+    """Disjoint train and test splits, neither holding a question of `exclude` (another task's held-out rows);
+    the test split is drawn first so its size never shifts it."""
+    test = make_split(seed + 1, n_test, exclude=exclude, ops=ops)
+    train = make_split(seed, n_train, exclude={p.question for p in test} | set(exclude or ()), ops=ops)
     return {"train": train, "test": test}
 
 

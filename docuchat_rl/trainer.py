@@ -34,7 +34,7 @@ import torch
 
 from .checkpoint import TrainerState, latest_step, save_checkpoint, write_training_state
 from .config import Config
-from .data import Example, PromptSampler, load_split
+from .data import Example, load_split, make_sampler
 from .distributed import gathered
 from .errors import Preempted, TrainingError
 from .learning.batch import Batch
@@ -97,7 +97,9 @@ class Trainer:
     def rewind(self, rng: RandomState, data: dict) -> None:
         """Put the random draws and the data position back to where a step began (it is sampled again)."""
         rng.restore()
-        self.collector.sampler = PromptSampler(len(self.run.examples), self.cfg.run.seed, **data)
+        curriculum = self.run.curriculum
+        self.collector.sampler = make_sampler(len(self.run.examples), self.cfg.run.seed, data, self.run.levels,
+                                              curriculum.level if curriculum is not None else None)
 
     def prepare(self, rollout: Rollout) -> Batch:
         """This process's used groups as a batch on the training device (it may have none of them)."""
@@ -135,6 +137,8 @@ class Trainer:
              "prompts_sampled": rollout.prompts_sampled, "groups_used": rollout.groups_used, "kl": None, **metrics}
         for key, values in logged.items():  # (under "user/<name>" where the name is one of ours)
             m[key if key not in m else f"user/{key}"] = sum(values) / len(values)
+        if self.run.curriculum is not None:  # (the same records on every process: each decides the same)
+            self._curriculum(m)
         # (sampled ahead, the learner's rollout time is its wait: tokens/s is over the engine's own seconds)
         sampling = rollout.sampler_seconds if rollout.sampler_seconds is not None else timer.seconds.get("rollout", 0.0)
         rollout_s, peak = self.dist.max(torch.tensor([sampling, peak_mb(self.dist.device)], dtype=torch.float64)).tolist()
@@ -161,7 +165,7 @@ class Trainer:
         state = TrainerState(step=step, run_id=self.run_id, sampler=self.collector.data_state(step),
                              offsets=run.outputs.offsets(), nonfinite_streak=learner.nonfinite_streak,
                              no_reward_streak=self.rewards.streak, world_size=self.dist.world,
-                             data=run.state.data)
+                             data=run.state.data, curriculum=run.curriculum.state() if run.curriculum else {})
 
         def write_into(folder: Path) -> None:
             write_training_state(folder, model=learner.model, tokenizer=run.tokenizer, critic=learner.algo.critic,
@@ -239,6 +243,18 @@ class Trainer:
             self.checkpoint(step)
         self.on_phase("idle")
         return m
+
+    def _curriculum(self, m: dict) -> None:
+        """data.curriculum: record the step's level, and let the next level join once the training accuracy
+        has reached promote_at (the next step draws from the new level's rows)."""
+        c = self.run.curriculum
+        m["curriculum/level"] = c.level  # (the level this step's prompts were drawn up to)
+        if c.observe(m.get("accuracy")):
+            self.collector.sampler.promote(c.level)
+            if self.is_main:
+                self.progress.say(f"step {m['step']}: curriculum level {c.level} joins (training accuracy reached "
+                                   f"{self.cfg.data.curriculum.promote_at} over {self.cfg.data.curriculum.window} steps)")
+        m["curriculum/next_level"] = c.level
 
     def _stop(self) -> None:
         """Checkpoint the last finished step if `latest` is older, and raise Preempted."""

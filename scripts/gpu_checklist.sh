@@ -74,7 +74,8 @@ if [ -z "$REPORT" ]; then
 fi
 mkdir -p "$(dirname "$REPORT")"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # the carried wheels, in front of the image's own packages
+if [ "$DRY" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then  # the carried wheels, before the image's own packages
+  # (CPython 3.12 wheels for the GPU image: a dry run uses this machine's own installation)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "the carried wheels did not install" >&2; exit 1; }
   export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"

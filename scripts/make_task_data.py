@@ -2,6 +2,7 @@
 
     python scripts/make_task_data.py [--seed 1234] [--train 6000] [--test 500] [--out data/task]
     python scripts/make_task_data.py --ops 1 1 --out data/task_1op     # one operation per problem
+    python scripts/make_task_data.py --ops 1 4 --exclude data/task/test.jsonl --out data/task_1to4  # a curriculum's
 """
 
 import argparse
@@ -19,9 +20,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("data/task"))
     ap.add_argument("--ops", type=int, nargs=2, default=(2, 4), metavar=("MIN", "MAX"),
                     help="operations per problem (default: 2 4, the embedded default task)")
+    ap.add_argument("--exclude", type=Path, nargs="*", default=[],
+                    help="JSONL files whose questions neither split may hold (another task's held-out rows)")
     a = ap.parse_args()
-    splits = make_task(a.seed, a.train, a.test, ops=tuple(a.ops))
-    meta = {"seed": a.seed, "generator": "docuchat_rl.synthetic.make_task", "ops": list(a.ops)}
+    exclude = {json.loads(line)["question"] for f in a.exclude for line in f.read_text().splitlines() if line.strip()}
+    splits = make_task(a.seed, a.train, a.test, ops=tuple(a.ops), exclude=exclude)
+    meta = {"seed": a.seed, "generator": "docuchat_rl.synthetic.make_task", "ops": list(a.ops),
+            **({"exclude": [str(f) for f in a.exclude]} if a.exclude else {})}
     for name, problems in splits.items():
         meta[name] = {"rows": len(problems), "sha256": write_jsonl(problems, a.out / f"{name}.jsonl")}
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -7,6 +7,8 @@ import pytest
 from docuchat_rl.data import DataError, load_examples, reasoning_target, render_prompt
 from rewards.correctness import gold_of
 
+from .conftest import TASK
+
 ROWS = [{"q": "What is 2 + 2?", "a": "2 + 2 = <<2+2=4>>4\n#### 4", "level": 1},
         {"q": "Capital of France?", "a": "Paris", "level": 3}]
 
@@ -137,3 +139,82 @@ def test_few_shot_turns_go_between_the_system_prompt_and_the_question():
 
     with pytest.raises(ConfigError, match="data.few_shot.0.role"):
         load_config(None, ["data.few_shot=[{role: tool, content: x}]"])
+
+
+def _curriculum_rows():
+    """Rows of the embedded task (2-4 calculations) and of the one-operation task (1)."""
+    from docuchat_rl.data import load_examples
+
+    two_to_four = load_examples(str(TASK / "train.jsonl"), "train", "question", "answer", limit=60)
+    one = load_examples(str(TASK.parent / "task_1op" / "train.jsonl"), "train", "question", "answer", limit=20)
+    return one + two_to_four
+
+
+def test_curriculum_levels_count_the_answers_calculations_or_read_a_column():
+    from docuchat_rl.config import CurriculumConfig
+    from docuchat_rl.data import DataError, Example, levels_of
+
+    rows = _curriculum_rows()
+    levels = levels_of(rows, CurriculumConfig(), "answer")
+    assert set(levels[:20]) == {1} and set(levels[20:]) == {2, 3, 4}
+    assert levels[20] == rows[20].columns["answer"].count("<<")
+    by_column = [Example(i, "Q", "1", {"hops": n}) for i, n in enumerate([3, 1, 2])]
+    assert levels_of(by_column, CurriculumConfig(level="hops"), None) == [3, 1, 2]
+    with pytest.raises(DataError, match=r"row 0: data.curriculum.level calculations counts .* column 'answer'"):
+        levels_of([Example(0, "Q", "5", {"answer": "#### 5"})], CurriculumConfig(), "answer")
+    with pytest.raises(DataError, match=r"row 1: column 'hops' \(data.curriculum.level\) holds '2', not a whole"):
+        levels_of([Example(0, "Q", "1", {"hops": 1}), Example(1, "Q", "1", {"hops": "2"})],
+                  CurriculumConfig(level="hops"), None)
+    with pytest.raises(DataError, match=r"data.curriculum.start 1: no training row .* \(levels 2-4\)"):
+        levels_of(rows[20:], CurriculumConfig(), "answer")
+
+
+def test_curriculum_sampler_draws_up_to_its_level_and_resumes_its_order():
+    from docuchat_rl.config import CurriculumConfig
+    from docuchat_rl.data import CurriculumSampler, levels_of, make_sampler
+
+    levels = levels_of(_curriculum_rows(), CurriculumConfig(), "answer")
+    s = make_sampler(len(levels), 0, {}, levels, 1)
+    assert isinstance(s, CurriculumSampler) and s.n == 20
+    first = s.take(30)  # past an epoch of the 20 level-1 rows
+    assert {levels[i] for i in first} == {1} and sorted(first[:20]) == list(range(20))
+    state = s.state()
+    assert state == {"epoch": 1, "position": 10, "level": 1}
+    again = make_sampler(len(levels), 0, state, levels, 1)
+    assert again.take(15) == s.take(15)  # resumed mid-epoch: the same order
+    s.promote(3)
+    assert s.state() == {"epoch": 0, "position": 0, "level": 3}
+    drawn = s.take(200)
+    assert {levels[i] for i in drawn} == {1, 2, 3}
+    # a checkpoint's data position was taken before its step's log raised the level: the new level's order starts
+    resumed = make_sampler(len(levels), 0, state, levels, 3)
+    assert resumed.take(200) == drawn
+
+
+def test_curriculum_promotes_on_the_windows_accuracy_to_the_next_level_the_data_has():
+    from docuchat_rl.config import CurriculumConfig
+    from docuchat_rl.data import Curriculum
+
+    c = Curriculum.start(CurriculumConfig(start=1, promote_at=0.5, window=3), [1, 1, 2, 4], {})
+    assert c.level == 1
+    assert [c.observe(a) for a in (0.9, None, 0.2, 0.6)] == [False, False, False, True]  # (0.9+0.2+0.6)/3 >= 0.5
+    assert c.level == 2 and c.recent == []  # counted afresh at each level
+    assert not c.observe(1.0) and not c.observe(1.0) and c.observe(1.0) and c.level == 4  # (no rows at level 3)
+    assert not any(c.observe(1.0) for _ in range(5)) and c.level == 4  # the top: nothing above
+    resumed = Curriculum.start(CurriculumConfig(start=1, promote_at=0.5, window=3), [1, 1, 2, 4],
+                               {"level": 2, "recent": [0.4, 0.6]})
+    assert not resumed.observe(0.4) and resumed.observe(0.8) and resumed.level == 4
+
+
+def test_curriculum_config_is_refused_with_a_lag_or_without_an_accuracy():
+    from docuchat_rl.config import load_config
+
+    from .conftest import ROOT
+
+    cfg = load_config(ROOT / "config/default.yaml", ["data.curriculum.start=2", "data.curriculum.window=5"])
+    assert cfg.data.curriculum.start == 2 and cfg.data.curriculum.promote_at == 0.6
+    with pytest.raises(ValueError, match="data.curriculum cannot be used with rollout.async_lag"):
+        load_config(ROOT / "config/default.yaml", ["data.curriculum.start=2", "rollout.async_lag=1"])
+    with pytest.raises(ValueError, match="data.curriculum promotes on the training accuracy, the mean of reward "
+                                         "'correctness'"):
+        load_config(ROOT / "config/default.yaml", ["data.curriculum.start=2", "rewards=[{name: format}]"])

@@ -16,7 +16,7 @@ import yaml
 
 from docuchat_rl.checkpoint import resolve_resume
 from docuchat_rl.config import load_config
-from docuchat_rl.data import DataError
+from docuchat_rl.data import DataError, load_split
 from docuchat_rl.outputs import read_jsonl
 from docuchat_rl.trainer import MEASURED, Timer, Trainer, TrainingError
 
@@ -100,7 +100,10 @@ class Crash(Exception):
     (["algorithm.num_iterations=2", "optim.minibatch_size=4", "optim.micro_batch_size=2"], 5),
     # dynamic sampling draws a varying number of prompts: the sampler position must resume too
     (["rollout.dynamic_sampling=true", "algorithm.loss_aggregation=dapo"], 1),
-], ids=["mu2-minibatches", "dynamic-sampling"])
+    # a curriculum (levels 2, 3, 4 of the embedded task) raised at steps 1 and 2: checkpoint-2's data position
+    # was taken before step 2's log raised the level
+    (["data.curriculum.start=2", "data.curriculum.promote_at=0.01", "data.curriculum.window=1"], 1),
+], ids=["mu2-minibatches", "dynamic-sampling", "curriculum"])
 def test_resume_inside_a_mu_cycle_matches_the_uninterrupted_run(tmp_path, extra, crash_at):
     opts = ["run.steps=4", "checkpoint.every=2", *extra]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
@@ -135,6 +138,13 @@ def test_resume_inside_a_mu_cycle_matches_the_uninterrupted_run(tmp_path, extra,
         assert len(cut) == len(full)  # nothing lost, nothing written twice
         assert untimed(cut) == untimed(full)
     assert len({r["run_id"] for r in read_jsonl(cut_dir / "traces.jsonl")}) == 1  # the resume kept its id
+    if any(e.startswith("data.curriculum") for e in extra):  # the levels rose, and each step drew up to its own
+        metrics = read_jsonl(full_dir / "metrics.jsonl")
+        assert [m["curriculum/level"] for m in metrics] == [2, 3, 4, 4]
+        levels = [e.columns["answer"].count("<<") for e in load_split(t.cfg.data, "train")]
+        for r in read_jsonl(full_dir / "traces.jsonl"):
+            assert levels[r["prompt_id"]] <= metrics[r["step"] - 1]["curriculum/level"], r["step"]
+        assert {levels[r["prompt_id"]] for r in read_jsonl(full_dir / "traces.jsonl") if r["step"] == 1} == {2}
     from safetensors.torch import load_file
 
     a = load_file(full_dir / "checkpoint-4" / "adapter_model.safetensors")

@@ -48,7 +48,7 @@ def buckets(rows: int) -> list[int]:
     """Row buckets from `rows` down: each half the one before (rounded up), down to MIN_BUCKET.
 
     >>> buckets(64), buckets(20), buckets(5)
-    ([64, 32, 16, 8], [20, 10], [5])
+    ([64, 32, 16, 8], [20, 10, 8], [5])
     """
     out = [rows]
     while out[-1] > MIN_BUCKET:
