@@ -98,12 +98,12 @@ class Crash(Exception):
 @pytest.mark.parametrize("extra,crash_at", [
     # mu = 2, two minibatches of two micro-batches: 8 loss calls a step; die in the 2nd iteration
     (["algorithm.num_iterations=2", "optim.minibatch_size=4", "optim.micro_batch_size=2"], 5),
-    # dynamic sampling draws a varying number of prompts: the sampler position must resume too
-    (["rollout.dynamic_sampling=true", "algorithm.loss_aggregation=dapo"], 1),
-    # a curriculum (levels 2, 3, 4 of the embedded task) raised at steps 1 and 2: checkpoint-2's data position
+    # dynamic sampling draws a varying number of prompts: the sampler position must resume too; with a
+    # curriculum (levels 2, 3, 4 of the embedded task) raised at steps 1 and 2: checkpoint-2's data position
     # was taken before step 2's log raised the level
-    (["data.curriculum.start=2", "data.curriculum.promote_at=0.01", "data.curriculum.window=1"], 1),
-], ids=["mu2-minibatches", "dynamic-sampling", "curriculum"])
+    (["rollout.dynamic_sampling=true", "algorithm.loss_aggregation=dapo", "data.curriculum.start=2",
+      "data.curriculum.promote_at=0.01", "data.curriculum.window=1"], 1),
+], ids=["mu2-minibatches", "dynamic-sampling-curriculum"])
 def test_resume_inside_a_mu_cycle_matches_the_uninterrupted_run(tmp_path, extra, crash_at):
     opts = ["run.steps=4", "checkpoint.every=2", *extra]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
