@@ -43,6 +43,18 @@ def _rotate_half():
     return rotate_half
 
 
+def rotary_qkv(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, per_kv: int):
+    """One decode step's q [r, KV, n, D] and k, v [r, KV, 1, D] for normed inputs h [r, 1, hidden], the
+    rotary embedding applied to q and k (the models' apply_rotary_pos_emb, per element; cos, sin
+    [r, 1, 1, D]). Query heads are grouped by the KV head they read, as the models' repeat_kv orders them."""
+    r = h.shape[0]
+    q = attn.q_proj(h).view(r, -1, per_kv, head_dim)  # [r, KV, n, D]
+    k = attn.k_proj(h).view(r, -1, 1, head_dim)  # [r, KV, 1, D]
+    v = attn.v_proj(h).view(r, -1, 1, head_dim)
+    rotate_half = _rotate_half()
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
 def plain_full_attention(cache) -> bool:
     """Whether a prefill cache is transformers' DynamicCache with a plain full-attention layer in every
     layer (sliding windows and other kinds keep other layer types)."""
@@ -122,13 +134,8 @@ class GroupedSteps:
 
     def _attention(self, attn, h, cos, sin, i: int, t: int) -> torch.Tensor:
         """One layer's attention output [r, 1, hidden] for normed inputs h [r, 1, hidden]."""
-        r, d, n = h.shape[0], self.head_dim, self.per_kv
-        q = attn.q_proj(h).view(r, -1, n, d)  # [r, KV, n, D]
-        k = attn.k_proj(h).view(r, -1, 1, d)  # [r, KV, 1, D]
-        v = attn.v_proj(h).view(r, -1, 1, d)
-        rotate_half = _rotate_half()
-        q = q * cos + rotate_half(q) * sin  # (the models' apply_rotary_pos_emb, per element)
-        k = k * cos + rotate_half(k) * sin
+        r = h.shape[0]
+        q, k, v = rotary_qkv(attn, h, cos, sin, self.head_dim, self.per_kv)  # [r, KV, n, D], [r, KV, 1, D] x2
         if self.compute:  # (cast once here, not by each of the matmuls below)
             q = q.to(self.compute)
         self.keys[i][:, :, t:t + 1].copy_(k)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..modeling import base_model
-from .grouped_decode import _rotate_half, additive_mask
+from .grouped_decode import additive_mask, rotary_qkv
 
 MIN_BUCKET = 8  # the smallest row bucket (below it a bucket's graph saves nothing worth a capture)
 PROMPT_BUCKET = 64  # prompt positions are allocated in multiples of this many tokens
@@ -149,13 +149,7 @@ class StaticDecoder:
 
     def _attention(self, attn, h, cos, sin, mask, where, i: int, b: int) -> torch.Tensor:
         """One layer's attention output [b, 1, hidden] for normed inputs h [b, 1, hidden]."""
-        d, n = self.head_dim, self.per_kv
-        q = attn.q_proj(h).view(b, -1, n, d)  # [b, KV, n, D]
-        k = attn.k_proj(h).view(b, -1, 1, d)  # [b, KV, 1, D]
-        v = attn.v_proj(h).view(b, -1, 1, d)
-        rotate_half = _rotate_half()
-        q = q * cos + rotate_half(q) * sin  # (the models' apply_rotary_pos_emb, per element)
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = rotary_qkv(attn, h, cos, sin, self.head_dim, self.per_kv)  # [b, KV, n, D], [b, KV, 1, D] x2
         keys, values = self.keys[i][:b], self.values[i][:b]  # [b, KV, P + N, D]
         keys.index_copy_(2, where, k.to(keys.dtype))
         values.index_copy_(2, where, v.to(values.dtype))
