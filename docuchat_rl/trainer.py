@@ -247,13 +247,13 @@ class Trainer:
     def _curriculum(self, m: dict) -> None:
         """data.curriculum: record the step's level, and let the next level join once the training accuracy
         has reached promote_at (the next step draws from the new level's rows)."""
-        c = self.run.curriculum
+        c, conf = self.run.curriculum, self.cfg.data.curriculum
         m["curriculum/level"] = c.level  # (the level this step's prompts were drawn up to)
         if c.observe(m.get("accuracy")):
             self.collector.sampler.promote(c.level)
             if self.is_main:
                 self.progress.say(f"step {m['step']}: curriculum level {c.level} joins (training accuracy reached "
-                                   f"{self.cfg.data.curriculum.promote_at} over {self.cfg.data.curriculum.window} steps)")
+                                  f"{conf.promote_at} over {conf.window} steps)")
         m["curriculum/next_level"] = c.level
 
     def _stop(self) -> None:

@@ -269,7 +269,8 @@ def serve_command(cfg, port: int, python: str, extra: list[str], cpu: bool = Fal
     request's generator after a chunked prefill: "CPU Generator does not use offset" kills its engine);
     `extra` (vLLM's own flags) last."""
     r, rank = cfg.rollout, cfg.lora.r
-    dtype = {"bf16-mixed": "bfloat16", "bf16-autocast": "bfloat16", "bfloat16": "bfloat16", "float32": "float32"}.get(cfg.model.dtype)
+    dtype = {"bf16-mixed": "bfloat16", "bf16-autocast": "bfloat16", "bfloat16": "bfloat16",
+             "float32": "float32"}.get(cfg.model.dtype)
     rows = max(r.batch_rows, 8)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model.name_or_path,
             "--port", str(port), "--enable-lora", "--max-loras", str(max(4, r.async_lag + 2)),
