@@ -228,11 +228,19 @@ def resolve_adapter(path: str | Path) -> Path:
 # checkpoint's run_config.json (the recipe of record) cannot both honour: refused, naming the key.
 RESUME_APPLIED = ("run.output_dir", "run.threads", "run.overwrite", "model.device", "model.gradient_checkpointing",
                   "lora.fused", "rollout.generation_batch_size", "rollout.engine", "rollout.grouped_decode",
+                  "rollout.cuda_graphs",
                   "rollout.merge_adapter", "rollout.vllm", "rollout.async_worker_threads", "rollout.async_timeout_s",
                   "optim.micro_batch_size", "optim.share_prompt",
                   "optim.length_buckets", "optim.logit_chunk", "optim.max_nonfinite_steps", "rewards.timeout_s",
                   "rewards.strict", "rewards.max_failed_steps", "rewards.accuracy_component", "checkpoint",
                   "logging", "eval")
+
+
+def _section(config: dict, key: str):
+    """The value at a dotted key of a nested config (None where a part is missing)."""
+    for part in key.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
@@ -283,6 +291,12 @@ def check_resumable(folder: Path, config: dict) -> list[str]:
     # (`now` has every auto decided for this device; a checkpoint written before the dtype was decided at the
     # start holds model.dtype auto, which says nothing of what it trained in)
     changed = [k for k in now if k in saved and saved[k] != now[k] and saved[k] != "auto"]
+    # a section set where it was null, or null where it was set (data.curriculum): flattened, the two sides
+    # hold different keys, so compare the section whole
+    for one, other in ((saved, now), (now, saved)):
+        for k in [k for k, v in one.items() if v is None and any(o.startswith(f"{k}.") for o in other)]:
+            saved[k], now[k] = _section(recorded, k), _section(config, k)
+            changed.append(k)
     refused = [f"{k}={saved[k]!r} -> {now[k]!r}" for k in changed if not _applies(k, now)]
     if refused:
         raise CheckpointError(f"{Path(folder).name} was trained with a different recipe: {'; '.join(refused)}. "

@@ -77,3 +77,25 @@ def test_the_manifest_covers_every_file_and_catches_a_same_size_change(tmp_path)
     assert "damaged" in verify_checkpoint(final)
     blob.unlink()
     assert verify_checkpoint(final) == "checkpoint-1/adapter_model.safetensors is missing"
+
+
+def test_a_curriculum_set_or_dropped_on_resume_is_refused_and_cuda_graphs_applied(tmp_path):
+    """data.curriculum null in the checkpoint and set now (or the reverse) changes the data order: refused,
+    naming the section; rollout.cuda_graphs is a speed switch: applied and said."""
+    import json
+
+    from docuchat_rl.checkpoint import check_resumable
+    from docuchat_rl.config import load_config
+
+    from .conftest import ROOT
+
+    plain = load_config(ROOT / "config/default.yaml").to_dict()
+    curriculum = load_config(ROOT / "config/default.yaml", ["data.curriculum.start=2"]).to_dict()
+    for before, after in ((plain, curriculum), (curriculum, plain)):
+        (tmp_path / "run_config.json").write_text(json.dumps({"step": 1, "config": before}))
+        with pytest.raises(CheckpointError, match=r"a different recipe: data.curriculum="):
+            check_resumable(tmp_path, after)
+    (tmp_path / "run_config.json").write_text(json.dumps({"step": 1, "config": plain}))
+    graphs = load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=true"]).to_dict()
+    assert check_resumable(tmp_path, graphs) == ["rollout.cuda_graphs: False -> True"]
+    assert check_resumable(tmp_path, plain) == []
