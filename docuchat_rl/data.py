@@ -298,15 +298,14 @@ class CurriculumSampler(PromptSampler):
         self.__init__(self.levels, self.base_seed, level)
 
 
-def make_sampler(n: int, seed: int, state: dict, levels: list[int] | None = None,
-                 level: int | None = None) -> PromptSampler:
-    """The run's data order at `state` (a sampler's `state()`); with `levels` a curriculum's at `level` (a
-    level the curriculum reached after `state` was taken starts that level's order afresh)."""
-    if levels is None:
+def make_sampler(n: int, seed: int, state: dict, curriculum: Curriculum | None = None) -> PromptSampler:
+    """The run's data order at `state` (a sampler's `state()`); with a curriculum, over its rows up to its level
+    (a level it reached after `state` was taken starts that level's order afresh)."""
+    if curriculum is None:
         return PromptSampler(n, seed, **state)
-    sampler = CurriculumSampler(levels, seed, **{"level": level, **state})
-    if level is not None and level > sampler.level:
-        sampler.promote(level)
+    sampler = CurriculumSampler(curriculum.levels, seed, **{"level": curriculum.level, **state})
+    if curriculum.level > sampler.level:
+        sampler.promote(curriculum.level)
     return sampler
 
 
@@ -316,18 +315,18 @@ class Curriculum:
     level reaches `promote_at` (every process sees the same step metrics, so each decides the same)."""
 
     config: CurriculumConfig
-    present: list[int]  # the levels the data has, ascending
+    levels: list[int]  # each training row's level (levels_of)
     level: int  # the current level
     recent: list[float] = field(default_factory=list)  # the current level's last `window` step accuracies
 
     @classmethod
     def start(cls, config: CurriculumConfig, levels: list[int], state: dict) -> Curriculum:
         """At the run's start (`state` empty) or where a checkpoint left it (`state()`)."""
-        return cls(config, sorted(set(levels)), state.get("level", config.start), list(state.get("recent", [])))
+        return cls(config, levels, state.get("level", config.start), list(state.get("recent", [])))
 
     def observe(self, accuracy: float | None) -> bool:
         """Record a step's training accuracy; True when the next level joins now."""
-        above = [n for n in self.present if n > self.level]
+        above = sorted({n for n in self.levels if n > self.level})  # (the levels the data has above this one)
         if accuracy is None or not above:
             return False
         self.recent = (self.recent + [accuracy])[-self.config.window:]

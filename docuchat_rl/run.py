@@ -138,7 +138,6 @@ class Run:
     wandb: object  # a wandb run, or None
     lock: RunLock | None  # the output folder's lock (main process)
     lagged: LaggedPolicies | None = None  # rollout.async_lag's adapter versions (lag.py)
-    levels: list[int] | None = None  # data.curriculum: each training row's level
     curriculum: Curriculum | None = None  # data.curriculum: the level reached and the accuracies deciding the next
 
     def close(self) -> None:
@@ -345,8 +344,7 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
         else:
             lagged.record(0, model)
     curriculum = Curriculum.start(cfg.data.curriculum, levels, state.curriculum) if levels is not None else None
-    sampler = make_sampler(len(examples), cfg.run.seed, state.sampler, levels,
-                           curriculum.level if curriculum is not None else None)
+    sampler = make_sampler(len(examples), cfg.run.seed, state.sampler, curriculum)
     vocab = model.get_output_embeddings().weight.shape[0]
     chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
     learner = Learner(cfg, model, algo, params, optimizer, scheduler, place.accelerator, dist,
@@ -372,7 +370,7 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
             wandb_run.finish()
         raise
     return Run(cfg, out_dir, place, tokenizer, learner, collector, reward, examples, state, outputs, wandb_run,
-               lock, lagged, levels, curriculum)
+               lock, lagged, curriculum)
 
 
 def _check_same_rows(train: str, resume_dir: Path, rows: dict) -> None:

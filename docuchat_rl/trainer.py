@@ -97,9 +97,7 @@ class Trainer:
     def rewind(self, rng: RandomState, data: dict) -> None:
         """Put the random draws and the data position back to where a step began (it is sampled again)."""
         rng.restore()
-        curriculum = self.run.curriculum
-        self.collector.sampler = make_sampler(len(self.run.examples), self.cfg.run.seed, data, self.run.levels,
-                                              curriculum.level if curriculum is not None else None)
+        self.collector.sampler = make_sampler(len(self.run.examples), self.cfg.run.seed, data, self.run.curriculum)
 
     def prepare(self, rollout: Rollout) -> Batch:
         """This process's used groups as a batch on the training device (it may have none of them)."""

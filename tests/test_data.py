@@ -171,23 +171,27 @@ def test_curriculum_levels_count_the_answers_calculations_or_read_a_column():
 
 def test_curriculum_sampler_draws_up_to_its_level_and_resumes_its_order():
     from docuchat_rl.config import CurriculumConfig
-    from docuchat_rl.data import CurriculumSampler, levels_of, make_sampler
+    from docuchat_rl.data import Curriculum, CurriculumSampler, levels_of, make_sampler
 
     levels = levels_of(_curriculum_rows(), CurriculumConfig(), "answer")
-    s = make_sampler(len(levels), 0, {}, levels, 1)
+
+    def at(level):
+        return Curriculum.start(CurriculumConfig(), levels, {"level": level})
+
+    s = make_sampler(len(levels), 0, {}, at(1))
     assert isinstance(s, CurriculumSampler) and s.n == 20
     first = s.take(30)  # past an epoch of the 20 level-1 rows
     assert {levels[i] for i in first} == {1} and sorted(first[:20]) == list(range(20))
     state = s.state()
     assert state == {"epoch": 1, "position": 10, "level": 1}
-    again = make_sampler(len(levels), 0, state, levels, 1)
+    again = make_sampler(len(levels), 0, state, at(1))
     assert again.take(15) == s.take(15)  # resumed mid-epoch: the same order
     s.promote(3)
     assert s.state() == {"epoch": 0, "position": 0, "level": 3}
     drawn = s.take(200)
     assert {levels[i] for i in drawn} == {1, 2, 3}
     # a checkpoint's data position was taken before its step's log raised the level: the new level's order starts
-    resumed = make_sampler(len(levels), 0, state, levels, 3)
+    resumed = make_sampler(len(levels), 0, state, at(3))
     assert resumed.take(200) == drawn
 
 

@@ -19,8 +19,8 @@ Between replays the host writes t (one small copy) and, every DONE_CHECK_EVERY t
 On a CPU the same step runs eagerly (no graphs there): that is how the tests check it against the dynamic
 loop (the same tokens, log-probs to float rounding). Graphs are kept between generate calls on the model,
 and captured again when anything they baked in changes: the buffers' shape, the sampling settings, a
-weight's storage (a merged adapter is new weights every rollout: see `rollout.cuda_graphs` in the config)
-or the LoRA wrappers' state.
+weight's storage or the LoRA wrappers' state (with rollout.merge_adapter the merged weights are new
+tensors each rollout, so the graphs are captured again unless the allocator hands back the same addresses).
 
 Covers the models `grouped_decode.supports` covers (Llama-like decoder layers, full attention, unsharded
 weights); others decode through the dynamic loop. Deliberately left out: the grouped step's one copy of a
@@ -225,17 +225,12 @@ def static_chunk(model, prefill_cache, first_logits: torch.Tensor, attention_mas
     (drawn from the prefill's logits, outside the graph, as the dynamic loop draws it)."""
     u, lp = attention_mask.shape
     rows, n, device = u * repeats, max_new_tokens, attention_mask.device
-    keys0 = prefill_cache.layers[0].keys
     compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-    dtype = compute or keys0.dtype
+    dtype = compute or prefill_cache.layers[0].keys.dtype
+    # the buffers only grow: fewer rows or a shorter prompt than the model's decoder holds fit in it
     current = _DECODERS.get(model)
-    prompt = -(-lp // PROMPT_BUCKET) * PROMPT_BUCKET
-    if current is not None and current.shape.prompt >= lp and current.shape.rows >= rows:
-        prompt = current.shape.prompt  # (a shorter prompt or fewer rows fit the buffers already there)
-        rows_cap = current.shape.rows
-    else:
-        rows_cap = max(rows, current.shape.rows if current is not None else 0)
-        prompt = max(prompt, current.shape.prompt if current is not None else 0)
+    rows_cap = max(rows, current.shape.rows if current is not None else 0)
+    prompt = max(-(-lp // PROMPT_BUCKET) * PROMPT_BUCKET, current.shape.prompt if current is not None else 0)
     sampling = (do_sample, tuple((type(p).__name__, tuple(sorted(vars(p).items()))) for p in processors),
                 min_new_tokens, tuple(stop), pad)
     shape = Shape(rows_cap, prompt, n, sampling, str(device), dtype)
