@@ -381,6 +381,17 @@ class EvalConfig(Section):
     """`train` evaluates the model before and after training."""
     every: int | None = Field(None, ge=1)
     """Also evaluate every N training steps during `train`, appending to eval.jsonl (null: never)."""
+    also: dict[str, str] = Field(default_factory=dict)
+    """More held-out sets, name: file (or hub name), evaluated with the same settings whenever data.test is; their numbers are logged as `<name>/accuracy` and so on (a wording training never saw, say)."""
+
+    @field_validator("also")
+    @classmethod
+    def _names(cls, v: dict[str, str]) -> dict[str, str]:
+        for name in v:
+            if not name or "/" in name:
+                raise ValueError(f"{name!r} cannot name a held-out set (its numbers are logged as '<name>/...'): "
+                                 "use a word without '/'")
+        return v
 
 
 class RunConfig(Section):

@@ -282,8 +282,10 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     if resume_dir:  # (before the model loads)
         _check_same_rows(cfg.data.train, resume_dir, rows)
     model, tokenizer, algo, params = _model(cfg, place)
+    head = list(algo.critic.parameters()) if algo.critic is not None else []
     opt, sched = _optimizer(params, cfg.optim, cfg.run.steps * cfg.algorithm.num_iterations
-                            * (cfg.rollout.batch_rows // cfg.minibatch_rows))
+                            * (cfg.rollout.batch_rows // cfg.minibatch_rows),
+                            head, getattr(cfg.algorithm, "critic_lr", None))
     # the model is not wrapped (no DDP): gradients are summed across processes per minibatch (distributed.py)
     optimizer, scheduler = place.accelerator.prepare(opt, sched)
     # accelerate saves optimizer, scheduler and RNG states; the adapter is saved by peft instead
@@ -423,10 +425,15 @@ def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algo
     return model, tokenizer, algo, params
 
 
-def _optimizer(params, o: OptimConfig, total_updates: int):
-    """The configured optimizer over `params` and transformers' schedule over `total_updates` steps."""
+def _optimizer(params, o: OptimConfig, total_updates: int, head: list | None = None, head_lr: float | None = None):
+    """The configured optimizer over `params` and transformers' schedule over `total_updates` steps; the
+    parameters in `head` (the value head) in their own group at `head_lr` when one is given, the schedule
+    scaling both groups alike."""
     from transformers import get_scheduler
 
+    if head and head_lr is not None:
+        mine = {id(p) for p in head}
+        params = [{"params": [p for p in params if id(p) not in mine]}, {"params": head, "lr": head_lr}]
     if o.name == "adamw":
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     else:

@@ -75,6 +75,12 @@ class Trainer:
         self.progress = Progress(self.cfg.run.steps)  # (train() shows a bar or lines; this one only says)
         self.on_phase = on_phase or (lambda name: None)
         self._held_out: list[Example] | None = None
+        if self.cfg.eval.also:  # (loaded at the start, so that a bad path fails before step 1)
+            from .tools.evaluate import also_sets
+
+            self._also = also_sets(self.cfg)
+        else:
+            self._also = {}
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
         r = self.cfg.rollout
         self._coordinate = replay_coordinate({
@@ -184,7 +190,7 @@ class Trainer:
         place = self.run.place
         with gathered(place.gather_for_generation, place.sharding):
             return evaluate(self.learner.model, self.run.tokenizer, self.cfg, self._held_out, self.dist,
-                            place.lockstep)
+                            place.lockstep, self._also)
 
     # ---------------------------------------------------------------- the loop
     def train(self, stop_after: int | None = None) -> list[dict]:
@@ -232,7 +238,8 @@ class Trainer:
             self.last_eval = {"step": step, "minutes": minutes, **result}
             if self.run.outputs.evals is not None:
                 self.run.outputs.evals.write([self.last_eval])
-            extra["eval/accuracy"] = self.last_eval.get("accuracy")
+            for name in ("", *(f"{n}/" for n in self._also)):
+                extra[f"eval/{name}accuracy"] = self.last_eval.get(f"{name}accuracy")
         self.on_phase("log")
         m = self.log(step, rollout, batch, extra, timer)
         self.step = step

@@ -8,7 +8,9 @@ Runs `docuchat-rl train` for each config (one after the other, never side by sid
 cores), with `eval.every` set, then prints one row per evaluation (step, minutes since the start of
 training including the evaluations, accuracy, format rate, gain over the before-training evaluation) and,
 per run, the smallest and the last gain reached within `--budget` minutes; `--plot` draws accuracy and
-format rate against minutes (one line each per recipe) into a PNG. The learning targets of the embedded default
+format rate against minutes (one line each per recipe) into a PNG. A recipe's `eval.also` sets (or
+`--set "eval.also={unseen: data/task_1op_unseen/test.jsonl}"`) get their own accuracy and gain columns
+and dotted lines. The learning targets of the embedded default
 (GRPO +20 points, PPO and A2C +10 points within 15 minutes on 2 cores) are checked with this script; they
 are a benchmark, not a test. Extra `--set key=value` overrides go to every run.
 Each run goes to `--out`/<config name>, replacing an earlier curve there.
@@ -37,7 +39,7 @@ def plot(results: dict, path: Path, budget: float) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(9.5, 4))
     for cfg, r in results.items():
         name = Path(cfg).stem
         points = [(0.0, r["before"])] + [(row["minutes"], row) for row in r["curve"]]
@@ -46,6 +48,9 @@ def plot(results: dict, path: Path, budget: float) -> None:
         for m, row in points[1:]:
             ax.annotate(f"step {row['step']}", (m, 100 * row["accuracy"]), textcoords="offset points",
                         xytext=(0, -14), ha="center", fontsize=7)
+        for n in _also(r["before"]):
+            ax.plot(minutes, [100 * e[f"{n}/accuracy"] for _, e in points], marker="^", linestyle=":",
+                    label=f"{name}: {n} accuracy")
         if all(e.get("format_rate") is not None for _, e in points):
             ax.plot(minutes, [100 * e["format_rate"] for _, e in points], marker="s", linestyle="--",
                     label=f"{name}: format rate")
@@ -55,7 +60,7 @@ def plot(results: dict, path: Path, budget: float) -> None:
     ax.set_ylabel("held-out greedy, %")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.legend(loc="center right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)  # (outside: the lines cross)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -92,12 +97,17 @@ def main() -> None:
 
     for cfg, r in results.items():
         before = r["before"]["accuracy"]
+        also = _also(r["before"])
         print(f"\n{cfg}: held-out greedy accuracy before training {100 * before:.1f}%, format rate "
-              f"{_pct(r['before'].get('format_rate'))}")
-        print(f"  {'step':>5} {'minutes':>8} {'accuracy':>9} {'format':>7} {'gain':>7}")
+              f"{_pct(r['before'].get('format_rate'))}"
+              + "".join(f"; {n} {_pct(r['before'][f'{n}/accuracy'])}" for n in also))
+        print(f"  {'step':>5} {'minutes':>8} {'accuracy':>9} {'format':>7} {'gain':>7}"
+              + "".join(f" {n[:9]:>9} {'gain':>7}" for n in also))
         for row in r["curve"]:
             print(f"  {row['step']:>5} {row['minutes']:>8.2f} {100 * row['accuracy']:>8.1f}% "
-                  f"{_pct(row.get('format_rate')):>7} {100 * (row['accuracy'] - before):>+7.1f}")
+                  f"{_pct(row.get('format_rate')):>7} {100 * (row['accuracy'] - before):>+7.1f}"
+                  + "".join(f" {_pct(row.get(f'{n}/accuracy')):>9} "
+                            f"{100 * (row[f'{n}/accuracy'] - r['before'][f'{n}/accuracy']):>+7.1f}" for n in also))
         inside = [row for row in r["curve"] if row["minutes"] <= a.budget]
         if inside:
             gains = [100 * (row["accuracy"] - before) for row in inside]
@@ -108,6 +118,11 @@ def main() -> None:
     if a.plot:
         plot(results, a.plot, a.budget)
         print(f"wrote {a.plot}")
+
+
+def _also(evaluation: dict) -> list[str]:
+    """The names of eval.also's held-out sets in an evaluation (`<name>/accuracy`)."""
+    return sorted(k.split("/")[0] for k in evaluation if k.count("/") == 1 and k.endswith("/accuracy"))
 
 
 def _pct(x: float | None) -> str:

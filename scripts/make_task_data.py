@@ -3,13 +3,19 @@
     python scripts/make_task_data.py [--seed 1234] [--train 6000] [--test 500] [--out data/task]
     python scripts/make_task_data.py --ops 1 1 --out data/task_1op     # one operation per problem
     python scripts/make_task_data.py --ops 1 4 --exclude data/task/test.jsonl --out data/task_1to4  # a curriculum's
+    python scripts/make_task_data.py --ops 1 1 --wording varied --out data/task_1op_varied  # many phrasings
+    python scripts/make_task_data.py --ops 1 1 --wording unseen --train 0 --out data/task_1op_unseen  # held out only
+
+`--wording` picks the pools a row's words are drawn from (docuchat_rl.synthetic.WORDINGS): plain (the
+embedded default's), varied (many per row), unseen (disjoint from both: a held-out set in a wording no
+training set has). A split of 0 rows is not written.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-from docuchat_rl.synthetic import make_task, write_jsonl
+from docuchat_rl.synthetic import WORDINGS, make_task, write_jsonl
 
 
 def main() -> None:
@@ -22,12 +28,17 @@ def main() -> None:
                     help="operations per problem (default: 2 4, the embedded default task)")
     ap.add_argument("--exclude", type=Path, nargs="*", default=[],
                     help="JSONL files whose questions neither split may hold (another task's held-out rows)")
+    ap.add_argument("--wording", choices=sorted(WORDINGS), default="plain",
+                    help="the pools the rows' words are drawn from (default: plain, the embedded default's)")
     a = ap.parse_args()
     exclude = {json.loads(line)["question"] for f in a.exclude for line in f.read_text().splitlines() if line.strip()}
-    splits = make_task(a.seed, a.train, a.test, ops=tuple(a.ops), exclude=exclude)
+    splits = make_task(a.seed, a.train, a.test, ops=tuple(a.ops), exclude=exclude, wording=a.wording)
     meta = {"seed": a.seed, "generator": "docuchat_rl.synthetic.make_task", "ops": list(a.ops),
+            **({"wording": a.wording} if a.wording != "plain" else {}),
             **({"exclude": [str(f) for f in a.exclude]} if a.exclude else {})}
     for name, problems in splits.items():
+        if not problems:
+            continue
         meta[name] = {"rows": len(problems), "sha256": write_jsonl(problems, a.out / f"{name}.jsonl")}
     (a.out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(json.dumps(meta, indent=2))

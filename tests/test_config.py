@@ -87,6 +87,9 @@ BAD = [
      "rollout.engine vllm generates on whole weights", "vLLM with sharded generation"),
     (["rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"], None, "vLLM settings with the vLLM engine"),
     (["run.output_dir="], "'run.output_dir': must name a folder", "an empty output folder"),
+    (["eval.also={a/b: data/task/test.jsonl}"], "'eval.also': 'a/b' cannot name a held-out set",
+     "a held-out set's name with a slash"),
+    (["algorithm.critic_lr=0.001"], "'algorithm.critic_lr'.*grpo", "a critic key under GRPO"),
     (["run.output_dir=  "], "'run.output_dir': must name a folder", "a blank output folder"),
 ]
 

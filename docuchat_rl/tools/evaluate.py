@@ -23,7 +23,7 @@ import torch
 from rewards import CompositeReward
 
 from ..config import Config
-from ..data import Example, load_split, render_prompt
+from ..data import Example, load_examples, load_split, render_prompt
 from ..distributed import Dist
 from ..modeling import merged_adapter
 from ..sampling.generation import generate, row_seed
@@ -46,16 +46,34 @@ class EvalRow:
     failed_calls: int = 0  # multi-turn: of them, those that failed (malformed, unknown tool, the tool's error)
 
 
+def also_sets(cfg: Config) -> dict[str, list[Example]]:
+    """eval.also's held-out rows by name, the first eval.limit of each (a missing file or column fails here,
+    naming it)."""
+    d = cfg.data
+    return {name: load_examples(path, d.test_split, d.prompt_column, d.answer_column, limit=cfg.eval.limit,
+                                revision=d.revision, subset=d.subset) for name, path in cfg.eval.also.items()}
+
+
 def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None, dist: Dist | None = None,
-             lockstep=None) -> dict:
-    """The held-out numbers. On several processes (`dist`) each evaluates a contiguous share of the rows
+             lockstep=None, also: dict[str, list[Example]] | None = None) -> dict:
+    """The held-out numbers, then each of eval.also's sets' under `<name>/` (`also`: those sets' rows, loaded
+    when None). On several processes (`dist`) each evaluates a contiguous share of the rows
     and every process returns the numbers over all of them; pass@k draws each sample from its own
     stream (row_seed), so the numbers do not depend on how rows are split or batched. `lockstep`: sharded
     generation (see generation.generate)."""
     cfg = cfg.for_device(next(model.parameters()).device.type)
-    e, dist = cfg.eval, dist or Dist()
     if examples is None:
-        examples = load_split(cfg.data, "test", e.limit)
+        examples = load_split(cfg.data, "test", cfg.eval.limit)
+    dist = dist or Dist()
+    out = _evaluate_set(model, tokenizer, cfg, examples, dist, lockstep)
+    for name, rows in (also_sets(cfg) if also is None else also).items():
+        out.update({f"{name}/{k}": v for k, v in _evaluate_set(model, tokenizer, cfg, rows, dist, lockstep).items()})
+    return out
+
+
+def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: Dist, lockstep) -> dict:
+    """One held-out set's numbers (see evaluate)."""
+    e = cfg.eval
     reward = build_reward(cfg.rewards, with_format=True)
     acc_name = cfg.rewards.accuracy_component
     k = e.pass_k if e.pass_k and acc_name in reward.names else 0
