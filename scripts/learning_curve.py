@@ -107,7 +107,7 @@ def main() -> None:
             print(f"  {row['step']:>5} {row['minutes']:>8.2f} {100 * row['accuracy']:>8.1f}% "
                   f"{_pct(row.get('format_rate')):>7} {100 * (row['accuracy'] - before):>+7.1f}"
                   + "".join(f" {_pct(row.get(f'{n}/accuracy')):>9} "
-                            f"{100 * (row[f'{n}/accuracy'] - r['before'][f'{n}/accuracy']):>+7.1f}" for n in also))
+                            f"{_gain(row.get(f'{n}/accuracy'), r['before'][f'{n}/accuracy']):>7}" for n in also))
         inside = [row for row in r["curve"] if row["minutes"] <= a.budget]
         if inside:
             gains = [100 * (row["accuracy"] - before) for row in inside]
@@ -123,6 +123,11 @@ def main() -> None:
 def _also(evaluation: dict) -> list[str]:
     """The names of eval.also's held-out sets in an evaluation (`<name>/accuracy`)."""
     return sorted(k.split("/")[0] for k in evaluation if k.count("/") == 1 and k.endswith("/accuracy"))
+
+
+def _gain(x: float | None, start: float) -> str:
+    """Points gained over the start ('-' for an evaluation without this set, e.g. a run stopped mid-way)."""
+    return "-" if x is None else f"{100 * (x - start):+.1f}"
 
 
 def _pct(x: float | None) -> str:
