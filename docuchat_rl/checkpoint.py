@@ -324,6 +324,7 @@ class TrainerState:
     world_size: int = 1  # processes that wrote the checkpoint
     data: dict = field(default_factory=dict)  # data.fingerprint of the training rows (rows, sha256)
     curriculum: dict = field(default_factory=dict)  # data.curriculum: Curriculum.state() (level, recent accuracies)
+    seconds: float = 0.0  # training wall-clock up to this step, over every resume (eval.jsonl's minutes count on)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -162,6 +162,11 @@ class Trainer:
         self.rewards.stop_if_starved(records)  # (rewards.max_failed_steps steps in a row without a value)
         return m
 
+    def seconds(self) -> float:
+        """Training wall-clock seconds so far: this process's since train() began, plus what the checkpoint it
+        resumed from had counted (so a resumed run's evaluation minutes go on from where it left off)."""
+        return self.run.state.seconds + time.perf_counter() - self.progress.started
+
     def checkpoint(self, step: int) -> Path:
         """Every process takes part (each saves its random states); the main process writes the rest and
         completes the folder (see checkpoint.py)."""
@@ -169,7 +174,8 @@ class Trainer:
         state = TrainerState(step=step, run_id=self.run_id, sampler=self.collector.data_state(step),
                              offsets=run.outputs.offsets(), nonfinite_streak=learner.nonfinite_streak,
                              no_reward_streak=self.rewards.streak, world_size=self.dist.world,
-                             data=run.state.data, curriculum=run.curriculum.state() if run.curriculum else {})
+                             data=run.state.data, curriculum=run.curriculum.state() if run.curriculum else {},
+                             seconds=self.seconds())
 
         def write_into(folder: Path) -> None:
             write_training_state(folder, model=learner.model, tokenizer=run.tokenizer, critic=learner.algo.critic,
@@ -234,7 +240,7 @@ class Trainer:
         if self.cfg.eval.every and self.cfg.data.test and step % self.cfg.eval.every == 0:
             self.on_phase("eval")
             result = self.evaluate()  # (on every process: each evaluates a share of the rows)
-            minutes = round((time.perf_counter() - self.progress.started) / 60, 3)
+            minutes = round(self.seconds() / 60, 3)
             self.last_eval = {"step": step, "minutes": minutes, **result}
             if self.run.outputs.evals is not None:
                 self.run.outputs.evals.write([self.last_eval])

@@ -5,10 +5,16 @@ GSM8K's own worked answers carry the same check as calculator annotations (`<<48
 small model goes wrong: of the equations SmolLM2-135M-Instruct wrote on the embedded task, 37% were wrong
 (subtractions 79%), so a reward on the final answer alone reaches few of its completions.
 
+`gold_steps` is partial credit on multi-step problems: the share of the gold answer's intermediate results
+(its `<<a op b=c>>` annotations) that the completion reaches with a right equation of its own. On the
+embedded 2-4 operation task SmolLM2-135M's groups rarely hold a fully right completion, so correctness alone
+gives GRPO no signal there (issue 44); a completion that gets the first two of three steps right does.
+
 Deliberately left out: chains (`a + b + c = d`), parentheses, percentages and units; an equation it cannot
-read is not counted. It says nothing about whether the right quantities were combined: that is
+read is not counted. `arithmetic` says nothing about whether the right quantities were combined: that is
 correctness's job, and a completion can score 1 here with trivially true equations, so weigh it low
-beside correctness.
+beside correctness. `gold_steps` does not check the order of the steps, nor which quantities an equation
+combined (only the value it reached); a gold answer without annotations gives None.
 """
 
 from __future__ import annotations
@@ -53,3 +59,52 @@ class Arithmetic(Reward):
         if not checked:
             return Score(None, {"equations": 0, "reason": "no equation to check"})
         return Score((checked - len(wrong)) / checked, {"equations": checked, "wrong": wrong[:5]})
+
+
+_ANNOTATION = re.compile(rf"<<[^<>=]*=\s*({_NUM})\s*>>")
+
+
+@register("gold_steps")
+class GoldSteps(Reward):
+    """The share of the gold answer's intermediate results (GSM8K's `<<a op b=c>>` annotations, in the column
+    `answer_key`) that the completion reaches as the result of one of its own right `a op b = c` equations
+    (each of its results counts for one gold step at most); None when the gold has no annotations.
+
+    >>> r = GoldSteps()
+    >>> gold = "4 + 3 = <<4+3=7>>7\\n7 * 2 = <<7*2=14>>14\\n14 - 1 = <<14-1=13>>13\\n#### 13"
+    >>> r(["Q"] * 4, ["4 + 3 = 7\\n7 * 2 = 14\\n14 - 1 = 12", "4 + 3 = 7\\n#### 13", "7 + 0 = 8", "#### 13"],
+    ...   answer=[gold] * 4)
+    [0.6666666666666666, 0.3333333333333333, 0.0, 0.0]
+    >>> r(["Q"], ["anything"], answer=["#### 13"])
+    [None]
+    """
+
+    def __init__(self, answer_key: str = "answer", tolerance: float = 1e-6):
+        if not 0 <= tolerance < 1:
+            raise RewardError(f"gold_steps: tolerance must be in [0, 1), got {tolerance!r}")
+        self.answer_key = answer_key
+        self.tolerance = float(tolerance)
+
+    def _same(self, x: float, y: float) -> bool:
+        return abs(x - y) <= self.tolerance * max(1.0, abs(x))
+
+    def score(self, prompt: str, completion: str, row: dict[str, Any]) -> Score:
+        if self.answer_key not in row:
+            raise RewardError(f"gold_steps needs the column {self.answer_key!r}; got {sorted(row)}")
+        gold = [_value(c) for c in _ANNOTATION.findall(str(row[self.answer_key] or ""))]
+        if not gold:
+            return Score(None, {"gold_steps": 0, "reason": "the gold answer has no <<a op b=c>> annotations"})
+        reached = []  # the results of the completion's right equations
+        for a, op, b, c in _EQUATION.findall(completion):
+            value = _OPS[op](_value(a), _value(b))
+            if value is not None and self._same(value, _value(c)):
+                reached.append(value)
+        hit, missed = 0, []
+        for g in gold:
+            at = next((i for i, v in enumerate(reached) if self._same(g, v)), None)
+            if at is None:
+                missed.append(g)
+            else:
+                hit += 1
+                del reached[at]
+        return Score(hit / len(gold), {"gold_steps": len(gold), "reached": hit, "missed": missed[:5]})

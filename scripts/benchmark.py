@@ -7,6 +7,8 @@
     python scripts/benchmark.py --json
     python scripts/benchmark.py --config config/smollm2.yaml --steps 30 --repeats 1 --lengths natural --curve
     python scripts/benchmark.py --config config/smollm2.yaml --switches --steps 5 --warmup 1 --repeats 2
+    python scripts/benchmark.py --config config/smollm2.yaml --steps 100 --repeats 1 --lengths natural --curve \
+        --keep runs/paired --ours runs/lc/smollm2     # learning: TRL 100 steps beside our run, both evaluated
     python scripts/benchmark.py --shape qwen2.5-0.5b --lengths fixed --prompts 16 --max-new 256   # on a GPU
 
 Robust to a noisy machine (the same TRL run has taken 2.65 and 3.58 s/step here): each side runs
@@ -33,6 +35,18 @@ step, as ours); prompts per step, group size, max new tokens, temperature and lr
 Ours runs in the recipe's `model.dtype`; TRL on a CPU only in float32 (`use_cpu=True, bf16=False`; its
 config refuses bf16 there), unless `--trl-dtype bfloat16` loads its model in bfloat16. `--curve` prints the
 mean training reward of both sides per window of 5 steps (the same prompts in the same order).
+
+`--keep DIR` keeps what each side learned: its final adapter and a line per step (reward, its standard
+deviation, seconds) under DIR/ours and DIR/trl, written as the run goes (a run cut off keeps its steps and a
+checkpoint every quarter of the run), then evaluates both final adapters with `docuchat-rl eval` on the
+recipe's held-out set and its `eval.also` sets into DIR/eval_ours.json and DIR/eval_trl.json (ours evaluates
+TRL's adapter too: the same rows, prompt, greedy decoding and reward code for both), and prints the
+accuracies and the training reward's paired difference with its standard error. With `--only`, one side at a
+time (run the two into the same DIR one after the other; the comparison is printed once both are there).
+`--ours RUN` takes our side from a finished run of the recipe instead of running it again (its metrics and its
+checkpoint at `--steps`): a recipe's learning run (scripts/learning_curve.py) draws exactly the completions
+of our side here, the same seed, prompts and settings (the first 30 steps' rewards of config/smollm2.yaml's
+agree to the last digit), and evaluating between steps changes nothing in training.
 
 `--switches` runs our side only: the recipe as it is (every `auto` switch decided for the CPU), then with
 one speed switch at a time set to its plain path (SWITCHES), the variants interleaved in each repeat; a
@@ -68,6 +82,7 @@ def settings_args(a) -> list[str]:
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--lr", str(a.lr), "--temperature", str(a.temperature),
             "--threads", str(a.threads), *(["--fixed-length"] if a.fixed_length else []),
             *(["--config", str(a.config)] if a.config else []), "--trl-dtype", a.trl_dtype,
+            *(["--keep", str(a.keep)] if a.keep else []), *(["--ours", str(a.ours)] if a.ours else []),
             *[x for s in a.overrides for x in ("--set", s)]]
 
 
@@ -100,7 +115,10 @@ def bench_config(a, out: str):
              f"rollout.prompts_per_step={a.prompts}", f"rollout.num_generations={a.generations}",
              f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}", f"optim.lr={a.lr}",
              f"rollout.min_new_tokens={a.max_new if a.fixed_length else 0}", "logging.progress=false",
-             f"checkpoint.every={a.steps + 1}", "eval.before_and_after=false"]
+             "eval.before_and_after=false",
+             # (kept: a checkpoint every quarter of the run, as TRL's side saves, so a run cut short leaves adapters)
+             *([f"checkpoint.every={max(1, a.steps // 4)}", "checkpoint.keep_last=4"] if a.keep
+               else [f"checkpoint.every={a.steps + 1}"])]
     if a.config:
         return load_config(a.config, [*sizes, *a.overrides])
     toy = ["algorithm.beta=0", "algorithm.num_iterations=1", "algorithm.loss_aggregation=grpo",
@@ -160,10 +178,20 @@ def prompt_order(n_rows: int, a) -> list[int]:
     return [i for _ in range(a.steps) for i in sampler.take(a.prompts)]
 
 
+def kept(a, side: str) -> Path | None:
+    """`--keep`'s folder for a side (None without --keep)."""
+    return a.keep / side if a.keep else None
+
+
 def run_ours(a) -> dict:
+    import contextlib
+
     from docuchat_rl.trainer import Trainer
 
-    with tempfile.TemporaryDirectory() as out:
+    keep = kept(a, "ours")
+    with (contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory()) as out:
+        # (kept: the run folder itself, whose metrics.jsonl is written step by step and whose final checkpoint
+        # is the adapter evaluated; the trainer always checkpoints at its last step)
         trainer = Trainer(bench_config(a, out))
         history = trainer.train()
         trainer.close()
@@ -176,11 +204,14 @@ def run_ours(a) -> dict:
         "peak_mb": peak_mb(),
         "mean_reward_last_10": statistics.mean(m["reward/mean"] for m in history[-10:]),
         "reward_per_step": [m["reward/mean"] for m in history],
+        "reward_std_per_step": [m["reward/std"] for m in history],
         "mismatch_mean": statistics.mean(m["sampler/mismatch_mean"] for m in history),
     }
 
 
 def run_trl(a) -> dict:
+    import contextlib
+
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -217,11 +248,20 @@ def run_trl(a) -> dict:
         def on_step_end(self, args, state, control, **kw):
             self.seconds.append(time.perf_counter() - self.begin)
 
+        def on_log(self, args, state, control, logs=None, **kw):
+            if keep and logs and "reward" in logs:  # a line per step as it ends: a run cut off keeps its steps
+                with open(keep / "steps.jsonl", "a") as f:
+                    f.write(json.dumps({"step": state.global_step, "seconds": self.seconds[-1], **logs}) + "\n")
+
     clock = StepClock()
-    with tempfile.TemporaryDirectory() as out:
-        args = GRPOConfig(
+    keep = kept(a, "trl")
+    if keep:
+        keep.mkdir(parents=True)
+    with (contextlib.nullcontext(str(keep / "run")) if keep else tempfile.TemporaryDirectory()) as out:
+        args = GRPOConfig(  # (kept: TRL's checkpoints every quarter of the run, a run cut short leaves adapters)
             output_dir=out, use_cpu=not gpu, bf16=gpu and a.trl_dtype == "bfloat16", report_to="none",
-            save_strategy="no", logging_steps=1,
+            save_strategy="steps" if keep else "no", save_steps=max(1, a.steps // 4), save_only_model=True,
+            logging_steps=1,
             max_steps=a.steps, per_device_train_batch_size=micro, gradient_accumulation_steps=rows_per_step // micro,
             num_generations=a.generations, max_completion_length=a.max_new, temperature=a.temperature,
             top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k, learning_rate=a.lr,
@@ -250,6 +290,8 @@ def run_trl(a) -> dict:
 
         policy.generate = timed_generate
         trainer.train()
+        if keep:  # the LoRA adapter as peft saves it, which `docuchat-rl eval --adapter` loads
+            trainer.save_model(str(keep / "adapter"))
     logs = [r for r in trainer.state.log_history if "reward" in r]
     tok_s = [r["completions/mean_length"] * rows_per_step / s for r, s in zip(logs, gen_seconds)]
     return {
@@ -259,6 +301,7 @@ def run_trl(a) -> dict:
         "peak_mb": peak_mb(),
         "mean_reward_last_10": statistics.mean(r["reward"] for r in logs[-10:]),
         "reward_per_step": [r["reward"] for r in logs],
+        "reward_std_per_step": [r["reward_std"] for r in logs],
     }
 
 
@@ -371,15 +414,75 @@ def print_table(title: str, result: dict) -> None:
         print("  our phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in result["ours"]["phases"].items()))
 
 
+def evaluate_kept(a) -> dict:
+    """`docuchat-rl eval` of each kept side's final adapter, in its own process: {side: its eval JSON}."""
+    found = {}
+    ours = a.ours / f"checkpoint-{a.steps}" if a.ours else a.keep / "ours"
+    for side, adapter in (("ours", ours), ("trl", a.keep / "trl" / "adapter")):
+        if not adapter.exists():
+            continue
+        out = a.keep / f"eval_{side}.json"  # (beside the runs: `eval` writes nothing into a run's folder)
+        if not out.exists():
+            recipe = a.config or ROOT / "config/default.yaml"
+            cmd = [sys.executable, "-m", "docuchat_rl", "eval", "--config", str(recipe), "--adapter", str(adapter),
+                   "--out", str(out), *[x for s in a.overrides for x in ("--set", s)]]
+            subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        found[side] = json.loads(out.read_text())
+    return found
+
+
+def print_learning(a, evals: dict) -> None:
+    """Held-out accuracy of each side's final adapter, then both sides' training reward and its paired
+    difference (ours minus TRL's, the same prompts each step) per window of steps, over the whole run and over
+    its second half, each with its standard error over the steps."""
+    print(f"  held-out, final adapters (`docuchat-rl eval`, greedy, {a.keep}/eval_<side>.json):")
+    for side, r in evals.items():
+        also = [k.removesuffix("/accuracy") for k in r if k.endswith("/accuracy") and not k.startswith("eval/")]
+        extra = "".join(f", {name} {r[name + '/accuracy']:.1%}" for name in also)
+        print(f"    {side:<5} accuracy {r['accuracy']:.1%}, format {r.get('format_rate', float('nan')):.1%}{extra}")
+    curves = {}
+    ours, trl = (a.ours or a.keep / "ours") / "metrics.jsonl", a.keep / "trl" / "steps.jsonl"
+    if ours.exists():
+        curves["ours"] = [json.loads(x)["reward/mean"] for x in ours.read_text().splitlines() if x.strip()][:a.steps]
+    if trl.exists():
+        curves["trl"] = [json.loads(x)["reward"] for x in trl.read_text().splitlines() if x.strip()]
+    if len(curves) < 2:
+        return
+    n = min(len(c) for c in curves.values())
+    diff = [x - y for x, y in zip(curves["ours"][:n], curves["trl"][:n])]
+
+    def cell(xs: list[float]) -> str:  # a window's mean +- its standard error over the steps
+        return f"{statistics.mean(xs):+.3f}" if len(xs) < 2 else \
+            f"{statistics.mean(xs):.3f} +- {statistics.stdev(xs) / len(xs) ** 0.5:.3f}"
+
+    window = 10 if n >= 40 else 5
+    print(f"  training reward per {window} steps, mean +- standard error over the steps (the same prompts each "
+          "step): ours | TRL | ours - TRL")
+    for lo in range(0, n, window):
+        hi = min(lo + window, n)
+        cells = [cell(c[lo:hi]) for c in (curves["ours"], curves["trl"], diff)]
+        print(f"    steps {lo + 1:>3}-{hi:<3} " + " | ".join(cells))
+    for lo in (0, n // 2):
+        d = diff[lo:n]
+        if len(d) < 2:
+            continue
+        print(f"    steps {lo + 1}-{n}: ours {statistics.mean(curves['ours'][lo:n]):.3f}, TRL "
+              f"{statistics.mean(curves['trl'][lo:n]):.3f}, ours - TRL {cell(d)} "
+              f"({statistics.mean(d) / (statistics.stdev(d) / len(d) ** 0.5):+.1f} standard errors)")
+
+
 def print_curve(result: dict, window: int = 5) -> None:
-    """Each side's mean training reward per window of steps (the median run's), side by side."""
+    """Each side's mean training reward per window of steps (the median run's), side by side, with the
+    standard error of each window's mean over its steps."""
     sides = [side for side in ("ours", "trl") if side in result]
     curves = {side: result[side]["reward_per_step"] for side in sides}
     n = min(len(c) for c in curves.values())
-    print(f"  training reward per {window} steps: " + " | ".join(sides))
+    print(f"  training reward per {window} steps (mean +- standard error over the steps): " + " | ".join(sides))
     for lo in range(0, n, window):
         hi = min(lo + window, n)
-        cells = [f"{statistics.mean(curves[side][lo:hi]):.3f}" for side in sides]
+        cells = [f"{statistics.mean(curves[side][lo:hi]):.3f} +- "
+                 f"{statistics.stdev(curves[side][lo:hi]) / (hi - lo) ** 0.5 if hi - lo > 1 else 0:.3f}"
+                 for side in sides]
         print(f"    steps {lo + 1:>3}-{hi:<3} " + " | ".join(cells))
 
 
@@ -418,9 +521,27 @@ def main() -> None:
     ap.add_argument("--sweep-steps", type=int, default=12, help="steps per sweep point")
     ap.add_argument("--fixed-length", action="store_true", help=argparse.SUPPRESS)  # (a worker's --lengths)
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ap.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                    help="keep each side's final adapter and steps under DIR/<side>, then evaluate both held out "
+                         "(with --repeats 1 --lengths natural)")
+    ap.add_argument("--ours", type=Path, default=None, metavar="RUN",
+                    help="with --keep: our side from this finished run of the recipe (its checkpoint at --steps), "
+                         "not run again")
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     fill_settings(a)
+    if a.ours and not a.keep:
+        ap.error("--ours needs --keep (the folder its evaluation and TRL's side go to)")
+    if a.keep and not a.worker:
+        if a.repeats != 1 or a.lengths != "natural" or a.sweep or a.switches:
+            ap.error("--keep keeps one run a side: give it with --repeats 1 --lengths natural (no --sweep, --switches)")
+        if a.ours:
+            if not (a.ours / f"checkpoint-{a.steps}" / "adapter_config.json").exists():
+                ap.error(f"--ours {a.ours}: no checkpoint-{a.steps} there (the run's checkpoint at --steps)")
+            a.only = "trl"
+        taken = [str(a.keep / side) for side in ([a.only] if a.only else ["ours", "trl"]) if (a.keep / side).exists()]
+        if taken:
+            ap.error(f"--keep: {', '.join(taken)} exists already (another run's): remove it or keep elsewhere")
     if a.engine is not None:  # (sugar for --set rollout.engine=...; passed on to the workers as overrides)
         a.overrides = [f"rollout.engine={a.engine}", *a.overrides]
         if a.engine == "vllm" and not any(o.startswith("rollout.vllm.") for o in a.overrides):
@@ -459,6 +580,11 @@ def main() -> None:
                             result)
                 if a.curve:
                     print_curve(result)
+        if a.keep:
+            evals = evaluate_kept(a)
+            if not a.json:
+                print_learning(a, evals)
+            report["held_out"] = evals
         if a.json:
             print(json.dumps({"date": started, "settings": {k: str(v) for k, v in vars(a).items()}, **report}))
         return

@@ -154,6 +154,32 @@ def test_arithmetic(completion, expected, count, why):
         assert s.info["wrong"]  # the trace names the wrong calculations
 
 
+GOLD = "22 / 2 = <<22/2=11>>11\n11 + 6 = <<11+6=17>>17\n17 + 1 = <<17+1=18>>18\n#### 18"
+GOLD_STEPS = [
+    # (completion, score, steps reached, why)
+    ("22 / 2 = 11\n11 + 6 = 17\n17 + 1 = 18\n#### 18", 1.0, 3, "every gold step reached"),
+    ("22 / 2 = 11\n11 + 6 = 18\n#### 18", 1 / 3, 1, "the second step's sum is wrong: only the first counts"),
+    ("11 + 6 = 17\n22 / 2 = 11", 2 / 3, 2, "order is not checked"),
+    ("#### 18", 0.0, 0, "a right final answer without working reaches no step"),
+    ("17 = 17\n11 17 18", 0.0, 0, "numbers that are not an equation's result do not count"),
+    ("22 / 2 = 11\n5 + 6 = 11\n10 + 7 = 17", 2 / 3, 2, "two equations reaching 11 count for one gold step"),
+    ("22 / 2 = 11.0\n11 + 6 = 17", 2 / 3, 2, "a decimal result equal to the gold"),
+]
+
+
+@pytest.mark.parametrize("completion,expected,reached,why", GOLD_STEPS, ids=[c[3] for c in GOLD_STEPS])
+def test_gold_steps(completion, expected, reached, why):
+    s = one("gold_steps", completion, answer=GOLD)
+    assert math.isclose(s.value, expected) and s.info["reached"] == reached and s.info["gold_steps"] == 3
+
+
+def test_gold_steps_without_annotations_or_column():
+    assert one("gold_steps", "4 + 3 = 7", answer="#### 7").value is None  # nothing to give partial credit for
+    with pytest.raises(RewardError, match="gold_steps needs the column 'answer'"):
+        one("gold_steps", "4 + 3 = 7", solution="#### 7")
+    assert one("gold_steps", "4 + 3 = 7", params={"answer_key": "solution"}, solution="<<4+3=7>>7").value == 1.0
+
+
 def test_format_says_why():
     assert one("format", "<think>x</think><answer>2</answer> extra").info["reason"] == "text after the answer"
 

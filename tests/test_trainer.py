@@ -440,6 +440,24 @@ def test_the_steps_without_a_reward_value_count_on_across_a_resume(tmp_path):
     assert [m["step"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_training_minutes_count_on_across_a_resume(tmp_path):
+    """A resumed run's checkpoints and evaluations count the training time from where the checkpoint left
+    off (eval.jsonl's minutes would otherwise restart at 0 and a learning curve go back in time)."""
+    opts = ["run.steps=2", "checkpoint.every=1", "eval.every=1", "eval.limit=4"]
+    t = Trainer(cfg_for(tmp_path, *opts))
+    t.train(stop_after=1)
+    t.close()
+    first = json.loads((tmp_path / "checkpoint-1" / "trainer_state.json").read_text())["seconds"]
+    t = Trainer(cfg_for(tmp_path, *opts), resume="latest")
+    t.train()
+    t.close()
+    second = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["seconds"]
+    evals = read_jsonl(tmp_path / "eval.jsonl")
+    assert [e["step"] for e in evals] == [1, 2] and 0 < first < second
+    # step 1's evaluation came before its checkpoint; step 2's after the resumed-from checkpoint's time
+    assert evals[0]["minutes"] <= first / 60 + 1e-3 and evals[1]["minutes"] >= first / 60
+
+
 def test_steps_without_a_learning_signal_are_said_while_they_happen(tmp_path, capsys):
     """Every group's rewards agreeing (a reward no completion can earn) and completions all cut at
     max_new_tokens each print a warning line at the step (TRL says nothing in either case)."""
