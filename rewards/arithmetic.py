@@ -34,6 +34,19 @@ def _value(text: str) -> float:
     return float(text.replace(",", ""))
 
 
+def _same(x: float, y: float, tolerance: float) -> bool:
+    return abs(x - y) <= tolerance * max(1.0, abs(x))
+
+
+def _equations(completion: str, tolerance: float) -> list[tuple[str, float, bool]]:
+    """Each `a op b = c` the completion writes: (its text, the value it claims, whether a op b is that value)."""
+    found = []
+    for a, op, b, c in _EQUATION.findall(completion):
+        value = _OPS[op](_value(a), _value(b))
+        found.append((f"{a} {op} {b} = {c}", _value(c), value is not None and _same(value, _value(c), tolerance)))
+    return found
+
+
 @register("arithmetic")
 class Arithmetic(Reward):
     """The share of the completion's `a op b = c` equations (op: + - * x × / ÷) whose result is right
@@ -49,16 +62,11 @@ class Arithmetic(Reward):
         self.tolerance = float(tolerance)
 
     def score(self, prompt: str, completion: str, row: dict[str, Any]) -> Score:
-        checked, wrong = 0, []
-        for a, op, b, c in _EQUATION.findall(completion):
-            value = _OPS[op](_value(a), _value(b))
-            ok = value is not None and abs(value - _value(c)) <= self.tolerance * max(1.0, abs(value))
-            checked += 1
-            if not ok:
-                wrong.append(f"{a} {op} {b} = {c}")
+        checked = _equations(completion, self.tolerance)
         if not checked:
             return Score(None, {"equations": 0, "reason": "no equation to check"})
-        return Score((checked - len(wrong)) / checked, {"equations": checked, "wrong": wrong[:5]})
+        wrong = [text for text, _, ok in checked if not ok]
+        return Score((len(checked) - len(wrong)) / len(checked), {"equations": len(checked), "wrong": wrong[:5]})
 
 
 _ANNOTATION = re.compile(rf"<<[^<>=]*=\s*({_NUM})\s*>>")
@@ -85,23 +93,16 @@ class GoldSteps(Reward):
         self.answer_key = answer_key
         self.tolerance = float(tolerance)
 
-    def _same(self, x: float, y: float) -> bool:
-        return abs(x - y) <= self.tolerance * max(1.0, abs(x))
-
     def score(self, prompt: str, completion: str, row: dict[str, Any]) -> Score:
         if self.answer_key not in row:
             raise RewardError(f"gold_steps needs the column {self.answer_key!r}; got {sorted(row)}")
         gold = [_value(c) for c in _ANNOTATION.findall(str(row[self.answer_key] or ""))]
         if not gold:
             return Score(None, {"gold_steps": 0, "reason": "the gold answer has no <<a op b=c>> annotations"})
-        reached = []  # the results of the completion's right equations
-        for a, op, b, c in _EQUATION.findall(completion):
-            value = _OPS[op](_value(a), _value(b))
-            if value is not None and self._same(value, _value(c)):
-                reached.append(value)
+        reached = [value for _, value, ok in _equations(completion, self.tolerance) if ok]  # right results
         hit, missed = 0, []
         for g in gold:
-            at = next((i for i, v in enumerate(reached) if self._same(g, v)), None)
+            at = next((i for i, v in enumerate(reached) if _same(g, v, self.tolerance)), None)
             if at is None:
                 missed.append(g)
             else:
