@@ -82,6 +82,7 @@ class Example:
     answer: str  # the gold final answer used for scoring ("" when the row has none)
     columns: dict = field(default_factory=dict)  # the row's other columns, passed on to the rewards
     messages: tuple[dict, ...] | None = None  # a conversational prompt's messages, as the data set gave them
+    answer_text: str = ""  # the answer column's text as the data set wrote it (GSM8K: the worked solution too)
 
 
 def check_utf8(path: Path) -> None:
@@ -159,7 +160,8 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
         a = "" if a is None else str(a)
         extra = {k: v for k, v in row.items() if k != prompt_column}  # (the answer column under its own name
         # too, raw, as TRL passes it: `def accuracy_reward(completions, solution, **kw)` reads `solution`)
-        out.append(Example(prompt_id=i, question=str(q), answer=gold_of(a) or "", columns=extra, messages=messages))
+        out.append(Example(prompt_id=i, question=str(q), answer=gold_of(a) or "", columns=extra, messages=messages,
+                           answer_text=a))
     return out
 
 
@@ -200,16 +202,19 @@ def fingerprint(examples: list[Example]) -> dict:
 def reward_inputs(examples: list[Example], completion_tokens: list[int], truncated: list[bool]) -> dict[str, list]:
     """The keyword columns every reward receives, one entry per completion (examples repeated per
     completion): the data set's other columns, then ours, which win a name clash: `answer` (the gold
-    final answer), `completion_tokens`, `truncated` and `prompt_id`. Built here only, for training and
-    evaluation alike.
+    final answer), `answer_text` (the answer column as written: a GSM8K answer's worked solution, which a
+    data set's own `answer` column would otherwise lose to ours), `completion_tokens`, `truncated` and
+    `prompt_id`. Built here only, for training and evaluation alike.
 
-    >>> ex = [Example(0, "Q", "4", {"level": 2, "answer": "ignored"})]
-    >>> reward_inputs(ex, [5], [False])
-    {'level': [2], 'answer': ['4'], 'completion_tokens': [5], 'truncated': [False], 'prompt_id': [0]}
+    >>> ex = [Example(0, "Q", "4", {"level": 2, "answer": "ignored"}, answer_text="2 + 2 = <<2+2=4>>4\\n#### 4")]
+    >>> reward_inputs(ex, [5], [False])  # doctest: +NORMALIZE_WHITESPACE
+    {'level': [2], 'answer': ['4'], 'answer_text': ['2 + 2 = <<2+2=4>>4\\n#### 4'], 'completion_tokens': [5],
+     'truncated': [False], 'prompt_id': [0]}
     """
     keys = list(dict.fromkeys(k for e in examples for k in e.columns))
     columns = {k: [e.columns.get(k) for e in examples] for k in keys}
-    columns.update(answer=[e.answer for e in examples], completion_tokens=list(completion_tokens),
+    columns.update(answer=[e.answer for e in examples], answer_text=[e.answer_text for e in examples],
+                   completion_tokens=list(completion_tokens),
                    truncated=list(truncated), prompt_id=[e.prompt_id for e in examples])
     return columns
 

@@ -75,19 +75,19 @@ _ANNOTATION = re.compile(rf"<<[^<>=]*=\s*({_NUM})\s*>>")
 @register("gold_steps")
 class GoldSteps(Reward):
     """The share of the gold answer's intermediate results (GSM8K's `<<a op b=c>>` annotations, in the column
-    `answer_key`) that the completion reaches as the result of one of its own right `a op b = c` equations
+    `answer_key`: by default `answer_text`, the answer column as the data set wrote it) that the completion reaches as the result of one of its own right `a op b = c` equations
     (each of its results counts for one gold step at most); None when the gold has no annotations.
 
     >>> r = GoldSteps()
     >>> gold = "4 + 3 = <<4+3=7>>7\\n7 * 2 = <<7*2=14>>14\\n14 - 1 = <<14-1=13>>13\\n#### 13"
     >>> r(["Q"] * 4, ["4 + 3 = 7\\n7 * 2 = 14\\n14 - 1 = 12", "4 + 3 = 7\\n#### 13", "7 + 0 = 8", "#### 13"],
-    ...   answer=[gold] * 4)
+    ...   answer_text=[gold] * 4)
     [0.6666666666666666, 0.3333333333333333, 0.0, 0.0]
-    >>> r(["Q"], ["anything"], answer=["#### 13"])
+    >>> r(["Q"], ["anything"], answer_text=["#### 13"])
     [None]
     """
 
-    def __init__(self, answer_key: str = "answer", tolerance: float = 1e-6):
+    def __init__(self, answer_key: str = "answer_text", tolerance: float = 1e-6):
         if not 0 <= tolerance < 1:
             raise RewardError(f"gold_steps: tolerance must be in [0, 1), got {tolerance!r}")
         self.answer_key = answer_key

@@ -222,3 +222,19 @@ def test_curriculum_config_is_refused_with_a_lag_or_without_an_accuracy():
     with pytest.raises(ValueError, match="data.curriculum promotes on the training accuracy, the mean of reward "
                                          "'correctness'"):
         load_config(ROOT / "config/default.yaml", ["data.curriculum.start=2", "rewards=[{name: format}]"])
+
+
+def test_rewards_see_the_answer_column_as_written_beside_the_final_answer():
+    """A GSM8K-style `answer` column reaches the rewards as `answer_text`, worked solution and annotations
+    included (ours, the final answer, takes the name `answer`): gold_steps gives partial credit on the
+    embedded task's own rows, and the final answer is unchanged."""
+    from docuchat_rl.data import reward_inputs
+    from rewards import build_reward
+
+    rows = load_examples(str(TASK / "test.jsonl"), "test", "question", "answer", limit=3)
+    cols = reward_inputs(rows, [10] * 3, [False] * 3)
+    raw = [json.loads(line)["answer"] for line in (TASK / "test.jsonl").read_text().splitlines()[:3]]
+    assert cols["answer_text"] == raw and cols["answer"] == [gold_of(a) for a in raw]
+    first_step = raw[0].split("\n")[0].split(" = <<")[0] + " = " + raw[0].split(">>")[1].split("\n")[0]
+    scores = build_reward("gold_steps")(["Q"] * 3, [first_step, first_step, "nothing"], **cols)
+    assert scores[0] == 1 / raw[0].count("<<") and scores[2] == 0.0  # one of its steps reached; none

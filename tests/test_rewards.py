@@ -169,13 +169,13 @@ GOLD_STEPS = [
 
 @pytest.mark.parametrize("completion,expected,reached,why", GOLD_STEPS, ids=[c[3] for c in GOLD_STEPS])
 def test_gold_steps(completion, expected, reached, why):
-    s = one("gold_steps", completion, answer=GOLD)
+    s = one("gold_steps", completion, answer_text=GOLD)
     assert math.isclose(s.value, expected) and s.info["reached"] == reached and s.info["gold_steps"] == 3
 
 
 def test_gold_steps_without_annotations_or_column():
-    assert one("gold_steps", "4 + 3 = 7", answer="#### 7").value is None  # nothing to give partial credit for
-    with pytest.raises(RewardError, match="gold_steps needs the column 'answer'"):
+    assert one("gold_steps", "4 + 3 = 7", answer_text="#### 7").value is None  # nothing to give partial credit for
+    with pytest.raises(RewardError, match="gold_steps needs the column 'answer_text'"):
         one("gold_steps", "4 + 3 = 7", solution="#### 7")
     assert one("gold_steps", "4 + 3 = 7", params={"answer_key": "solution"}, solution="<<4+3=7>>7").value == 1.0
 
