@@ -217,13 +217,13 @@ class RolloutConfig(Section):
     max_resample_rounds: int = Field(4, ge=1)
     """Most extra sampling rounds per step when dynamic sampling cannot fill the batch."""
     engine: Literal["auto", "fast", "hf", "vllm"] = AUTO
-    """Sampler: fast = our decode loop (prompt prefilled once per group); hf = transformers.generate; vllm = a colocated vLLM engine; auto: fast on CPUs, hf on GPUs (measured on 2 CPU cores and one H100, 0.5B shape: docs/performance.md; fast whenever cuda_graphs is on)."""
+    """Sampler: fast = our decode loop (prompt prefilled once per group); hf = transformers.generate; vllm = a colocated vLLM engine; auto: fast on CPUs; on GPUs fast with cuda_graphs, hf without (measured on 2 CPU cores and one H100, 0.5B shape: docs/performance.md)."""
     vllm: VLLMConfig = Field(default_factory=VLLMConfig)
     """The vLLM engine's settings (only with engine vllm)."""
     grouped_decode: Switch = AUTO
     """Our fast loop's decode step for Llama, Qwen2 and Mistral (full attention): each prompt's keys/values read once for its G rows (engine fast; eval and chat under vllm); auto: on on CPUs, off on GPUs (measured on 2 CPU cores and one H100)."""
-    cuda_graphs: bool = False
-    """Our fast loop's decode at static shapes (Llama, Qwen2, Mistral with full attention), each token's step replayed as one CUDA graph on a GPU (on a CPU it runs the same step eagerly: for tests); off until measured on a GPU (scripts/gpu_checklist.sh)."""
+    cuda_graphs: Switch = AUTO
+    """Our fast loop's decode at static shapes (Llama, Qwen2, Mistral with full attention), each token's step replayed as one CUDA graph on a GPU (on a CPU it runs the same step eagerly: for tests); on a GPU a model it does not cover samples through transformers.generate; auto: on on GPUs (2.5x faster steps on one H100, 0.5B shape), off on CPUs and with sharded_generation (docs/performance.md)."""
     merge_adapter: Switch = AUTO
     """Sample with the LoRA deltas folded into the base weights, restored exactly after (in bfloat16 the merge rounds the delta: a small sampler/trainer gap); auto: on (off with sharded_generation; measured on 2 CPU cores and one H100)."""
     sharded_generation: bool = False
@@ -466,7 +466,7 @@ class Config(Section):
         if r.engine == "hf" and "grouped_decode" in r.model_fields_set and r.grouped_decode is not False:
             raise ValueError("rollout.grouped_decode applies to our fast decode loop (rollout.engine fast, and "
                              "evaluation under vllm), not to rollout.engine hf")
-        if r.cuda_graphs and r.engine in ("hf", "vllm"):
+        if r.cuda_graphs is True and r.engine in ("hf", "vllm"):
             raise ValueError(f"rollout.cuda_graphs applies to our fast decode loop (rollout.engine fast), not to "
                              f"rollout.engine {r.engine}")
         if r.engine != "vllm" and r.vllm != VLLMConfig():
@@ -519,8 +519,9 @@ class Config(Section):
     def for_device(self, device_type: str) -> Config:
         """This config with every `auto` speed switch decided for a device type ("cpu", "cuda", ...), each as it
         was measured to win (docs/performance.md: 2 CPU cores on the real model and the embedded default; one
-        H100 on a Qwen2.5-0.5B-shaped model, where the hf engine with a merged adapter and 256 rows a generate
-        call won and the fast loop and the shared prompt lost); a switch not measured on GPUs is off there.
+        H100 on a Qwen2.5-0.5B-shaped model, where the fast loop's static decode replayed as CUDA graphs with a
+        merged adapter and 256 rows a call won, the hf engine next, and the dynamic fast loop and the shared
+        prompt lost); a switch not measured on GPUs is off there.
         Idempotent; model.dtype's auto is decided where the model loads (modeling.resolve_dtype)."""
         cpu = device_type == "cpu"
         r, o = self.rollout, self.optim
@@ -528,9 +529,10 @@ class Config(Section):
         def pick(value, on, off):
             return (on if cpu else off) if value == AUTO else value
 
-        engine = pick(r.engine, "fast", "fast" if r.cuda_graphs else "hf")  # (graphs are the fast loop's)
+        graphs = pick(r.cuda_graphs, False, r.engine in (AUTO, "fast") and not r.sharded_generation)
+        engine = pick(r.engine, "fast", "fast" if graphs else "hf")  # (graphs are the fast loop's)
         rollout = r.model_copy(update={  # (grouped decode is the fast loop's: never on under the hf engine)
-            "engine": engine, "grouped_decode": pick(r.grouped_decode, engine != "hf", False),
+            "engine": engine, "cuda_graphs": graphs, "grouped_decode": pick(r.grouped_decode, engine != "hf", False),
             "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, not r.sharded_generation),
             "generation_batch_size": pick(r.generation_batch_size, 64, 256)})
         optim = o.model_copy(update={"share_prompt": pick(o.share_prompt, True, False),

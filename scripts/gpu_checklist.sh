@@ -21,13 +21,14 @@
 # Stages, in the order they run (the figures each feeds are named in docs/performance.md, "GPU"):
 #   env       the GPU, torch, CUDA, every package's version, our package imports
 #   tests     the CUDA tests (static decode replayed as CUDA graphs against the eager step) and the decode tests
-#   graphs    our step at the 0.5B shape: GPU defaults, the fast loop with CUDA graphs (merged adapter and
-#             not), bf16-autocast (TRL's memory recipe) and both together
 #   trl       our step against TRL's GRPOTrainer at the same settings (GPU defaults)
-#   trl-graphs the same with CUDA graphs and bf16-autocast
-#   switches  each remaining switch flipped: the fast loop without graphs, the shared prompt, length_buckets,
-#             logit_chunk 0, activation checkpointing
-#   profile   torch's profiler on one step of each engine (hf, fast, fast + graphs), CUDA time per operator
+#   profile   torch's profiler on one step of each engine (fast + graphs, hf, dynamic fast), CUDA time per operator
+#   graphs    our step at the 0.5B shape: GPU defaults (the fast loop's static decode as CUDA graphs, merged
+#             adapter), without graphs (the hf engine), unmerged, bf16-autocast (TRL's memory recipe) and
+#             autocast without graphs
+#   trl-autocast the same with bf16-autocast on our side (TRL trains under autocast)
+#   switches  each remaining switch flipped: the dynamic fast loop (no graphs; grouped decode or not), the
+#             shared prompt, length_buckets, logit_chunk 0, activation checkpointing
 #   lag       the fixed lag: async_lag 1 in the learner's process and with a worker process
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +36,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.0 multiprocess==0.70.18 pydantic==2.13.4 pydantic-core==2.46.4
         annotated-types==0.8.0 typing-inspection==0.4.5 math-verify==0.9.0 latex2sympy2_extended==1.11.0
         antlr4-python3-runtime==4.13.2 gguf==0.19.0 simpleeval==1.0.8 transformers==5.24.0 peft==0.21.2)
-STAGES_ALL="env tests graphs trl trl-graphs switches profile lag"
+STAGES_ALL="env tests graphs trl trl-autocast switches profile lag"
 
 ARGS="$*"
 DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0
@@ -163,20 +164,10 @@ PY
 stage tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_grouped_decode.py \
   tests/test_generation.py -k "not browser"
 
-stage graphs 420 "${BENCH[@]}" --switches \
-  --flip "rollout.cuda_graphs=true" --flip "rollout.cuda_graphs=true + rollout.merge_adapter=false" \
-  --flip "model.dtype=bf16-autocast" --flip "rollout.cuda_graphs=true + model.dtype=bf16-autocast"
-
 stage trl 480 "${BENCH[@]}"
-stage trl-graphs 360 "${BENCH[@]}" --set rollout.cuda_graphs=true --set model.dtype=bf16-autocast
 
-stage switches 540 "${BENCH[@]}" --switches \
-  --flip "rollout.engine=fast" --flip "rollout.engine=fast + rollout.grouped_decode=true" \
-  --flip "optim.share_prompt=true" --flip "optim.length_buckets=4" --flip "optim.logit_chunk=0" \
-  --flip "model.gradient_checkpointing=true"
-
-for variant in "hf:--set rollout.engine=hf" "fast:--set rollout.engine=fast" \
-               "graphs:--set rollout.engine=fast --set rollout.cuda_graphs=true"; do
+for variant in "graphs:--set rollout.engine=fast --set rollout.cuda_graphs=true" "hf:--set rollout.engine=hf" \
+               "fast:--set rollout.engine=fast --set rollout.cuda_graphs=false"; do
   name="profile-${variant%%:*}"
   [[ " $ONLY " == *" profile "* ]] && ONLY="$ONLY $name"
   wanted "$name" || continue
@@ -194,6 +185,18 @@ for variant in "hf:--set rollout.engine=hf" "fast:--set rollout.engine=fast" \
     mirror
   fi
 done
+
+stage graphs 420 "${BENCH[@]}" --switches \
+  --flip "rollout.cuda_graphs=false" --flip "rollout.merge_adapter=false" \
+  --flip "model.dtype=bf16-autocast" --flip "rollout.cuda_graphs=false + model.dtype=bf16-autocast"
+
+stage trl-autocast 360 "${BENCH[@]}" --set model.dtype=bf16-autocast
+
+stage switches 540 "${BENCH[@]}" --switches \
+  --flip "rollout.cuda_graphs=false + rollout.engine=fast" \
+  --flip "rollout.cuda_graphs=false + rollout.engine=fast + rollout.grouped_decode=true" \
+  --flip "optim.share_prompt=true" --flip "optim.length_buckets=4" --flip "optim.logit_chunk=0" \
+  --flip "model.gradient_checkpointing=true"
 
 wanted lag && stage lag 420 "$PY" scripts/async_lag.py --config config/default.yaml --steps "$LAG_STEPS" --lags 1 --eval-limit 0 \
   --set "model.name_or_path=$(model_dir)" "${PROFILE_SETS[@]}"

@@ -95,7 +95,8 @@ def test_a_curriculum_set_or_dropped_on_resume_is_refused_and_cuda_graphs_applie
         (tmp_path / "run_config.json").write_text(json.dumps({"step": 1, "config": before}))
         with pytest.raises(CheckpointError, match=r"a different recipe: data.curriculum="):
             check_resumable(tmp_path, after)
-    (tmp_path / "run_config.json").write_text(json.dumps({"step": 1, "config": plain}))
+    eager = load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=false"]).to_dict()
+    (tmp_path / "run_config.json").write_text(json.dumps({"step": 1, "config": eager}))
     graphs = load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=true"]).to_dict()
     assert check_resumable(tmp_path, graphs) == ["rollout.cuda_graphs: False -> True"]
-    assert check_resumable(tmp_path, plain) == []
+    assert check_resumable(tmp_path, eager) == []

@@ -178,12 +178,12 @@ def test_auto_switches_are_decided_per_device_and_explicit_values_win():
     kept; deciding twice changes nothing."""
     def switches(c):
         return (c.rollout.engine, c.rollout.grouped_decode, c.rollout.merge_adapter, c.optim.share_prompt,
-                c.optim.length_buckets, c.lora.fused, c.rollout.generation_batch_size)
+                c.optim.length_buckets, c.lora.fused, c.rollout.generation_batch_size, c.rollout.cuda_graphs)
 
     cfg = load_config(ROOT / "config/default.yaml")
     cpu, gpu = cfg.for_device("cpu"), cfg.for_device("cuda")
-    assert switches(cpu) == ("fast", True, True, True, 4, True, 64)
-    assert switches(gpu) == ("hf", False, True, False, 1, False, 256)
+    assert switches(cpu) == ("fast", True, True, True, 4, True, 64, False)
+    assert switches(gpu) == ("fast", False, True, False, 1, False, 256, True)
     assert switches(cpu.for_device("cuda")) == switches(cpu)  # (decided once, at the run's start)
     set_ = load_config(ROOT / "config/default.yaml", ["rollout.engine=fast", "optim.length_buckets=2",
                                                        "rollout.grouped_decode=true"]).for_device("cuda")
@@ -193,10 +193,16 @@ def test_auto_switches_are_decided_per_device_and_explicit_values_win():
     assert config_from_dict(hf.to_dict()).rollout.grouped_decode is False  # (a checkpoint's run_config reloads)
     graphs = load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=true"]).for_device("cuda")
     assert graphs.rollout.engine == "fast"  # (graphs are the fast loop's: auto picks it on a GPU too)
+    for override in ("rollout.cuda_graphs=false", "rollout.engine=hf"):  # (without graphs the GPU's sampler is hf)
+        plain = load_config(ROOT / "config/default.yaml", [override]).for_device("cuda").rollout
+        assert (plain.engine, plain.cuda_graphs) == ("hf", False)
+    assert config_from_dict(gpu.to_dict()).rollout.cuda_graphs is True  # (a checkpoint's run_config reloads)
     with pytest.raises(ValueError, match="rollout.cuda_graphs applies to our fast decode loop .* not to rollout.engine hf"):
         load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=true", "rollout.engine=hf"])
     sharded = load_config(ROOT / "config/default.yaml", ["rollout.sharded_generation=true"]).for_device("cpu")
     assert sharded.rollout.merge_adapter is False  # (the sharded weights cannot take the merged delta)
+    sharded = load_config(ROOT / "config/default.yaml", ["rollout.sharded_generation=true"]).for_device("cuda")
+    assert (sharded.rollout.engine, sharded.rollout.cuda_graphs) == ("hf", False)  # (lockstep: no static decode)
 
 
 @pytest.mark.parametrize("override,says", [

@@ -182,3 +182,29 @@ def test_grouped_decode_applies_to_the_fast_loop_only():
     with pytest.raises(ValueError, match="grouped_decode applies to our fast decode loop .* not to rollout.engine hf"):
         load_config(ROOT / "config/default.yaml", ["rollout.engine=hf", "rollout.grouped_decode=true"])
     assert load_config(ROOT / "config/default.yaml", ["rollout.grouped_decode=false"]).rollout.grouped_decode is False
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-gqa-bias", "qwen2", "mistral", "mistral-window", "gemma2", "gpt2"])
+def test_covers_reads_from_the_model_what_supports_reads_from_a_prefill(tiny, arch):
+    """`covers` decides before any prefill (on a GPU, whether rollout.cuda_graphs decodes a model or hands it
+    to transformers.generate); it must agree with `supports`, which the decode loop asks after the prefill."""
+    _, tok = tiny
+    model = _model(tok, arch)
+    cache, _ = _prefill(model, tok, _prompts(tok, 2))
+    assert grouped_decode.covers(model) == grouped_decode.supports(model, cache)
+    assert grouped_decode.covers(model) == (arch in ("llama", "llama-gqa-bias", "qwen2", "mistral"))
+
+
+@pytest.mark.parametrize("arch,on_gpu", [("qwen2", "fast"), ("mistral", "fast"), ("mistral-window", "hf"),
+                                         ("gemma2", "hf"), ("gpt2", "hf")])
+def test_a_gpu_hands_what_cuda_graphs_do_not_cover_to_transformers_generate(tiny, arch, on_gpu):
+    """rollout.cuda_graphs is on on GPUs: a model its static decode covers decodes in the fast loop, any other
+    through transformers.generate (the dynamic loop is slow there); on a CPU nothing changes."""
+    from docuchat_rl.sampling.generation import engine_on
+
+    _, tok = tiny
+    model = _model(tok, arch)
+    assert engine_on(model, "fast", cuda_graphs=True, device_type="cuda", lockstep=False) == on_gpu
+    assert engine_on(model, "fast", cuda_graphs=True, device_type="cuda", lockstep=True) == "hf"
+    assert engine_on(model, "fast", cuda_graphs=True, device_type="cpu", lockstep=False) == "fast"
+    assert engine_on(model, "fast", cuda_graphs=False, device_type="cuda", lockstep=False) == "fast"

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..modeling import base_model, cache_of, in_compute_context, position_ids, warpers, with_cache
-from .grouped_decode import GroupedSteps, additive_mask, plain_full_attention, supports
+from .grouped_decode import GroupedSteps, additive_mask, covers, plain_full_attention, supports
 from .static_decode import static_chunk
 
 DONE_CHECK_EVERY = 8  # the decode loop asks whether every row has finished every this many tokens
@@ -289,6 +289,15 @@ def _plain_generation_config(model):
         target.generation_config = original
 
 
+def engine_on(model, engine: str, *, cuda_graphs: bool, device_type: str, lockstep: bool) -> str:
+    """The engine that samples `model`: on a GPU, a fast loop asked for CUDA graphs hands a model the static
+    decode does not cover (or sharded weights in lockstep) to transformers.generate, since the dynamic loop
+    is launch-bound there (4-5x slower than generate on one H100: docs/performance.md)."""
+    if engine == "fast" and cuda_graphs and device_type == "cuda" and (lockstep or not covers(model)):
+        return "hf"
+    return engine
+
+
 @torch.no_grad()
 @in_compute_context
 def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_tokens: int, do_sample: bool,
@@ -307,7 +316,9 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
     a process out of prompts runs a greedy one-token placeholder prompt (it draws no random numbers)
     until the others are done. `grouped_decode` (fast engine): decode the models `grouped_decode.py`
     covers with its step, which reads each prompt's keys/values once for its G rows. `cuda_graphs` (fast
-    engine): decode those models at static shapes (static_decode.py), replayed as CUDA graphs on a GPU."""
+    engine): decode those models at static shapes (static_decode.py), replayed as CUDA graphs on a GPU;
+    there, a model they do not cover samples through transformers.generate (the hf engine), since our
+    dynamic loop is launch-bound on a GPU (4-5x slower than generate on one H100: docs/performance.md)."""
     if engine not in ("fast", "hf", "vllm"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf, vllm")
     if engine == "vllm":  # a vLLM engine (vllm_engine.py) serves training rollouts only: evaluation, generate
@@ -315,6 +326,7 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
     stop = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     device = next(model.parameters()).device
+    engine = engine_on(model, engine, cuda_graphs=cuda_graphs, device_type=device.type, lockstep=lockstep is not None)
     processors = warpers(temperature, top_k, top_p) if do_sample else []
     out = Generation([], [], [], [])
     per_call = max(1, batch_size // num_return_sequences)

@@ -79,6 +79,24 @@ def supports(model, prefill_cache) -> bool:
             and not any(type(p).__name__ == "DTensor" for p in model.parameters()))
 
 
+def covers(model) -> bool:
+    """`supports` read off the model alone, before any prefill: Llama-like layers, every layer's attention
+    full by the config (`layer_types`, else no `sliding_window`), unsharded weights.
+
+    >>> from transformers import MistralConfig, MistralForCausalLM
+    >>> small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...              num_attention_heads=2, num_key_value_heads=1)
+    >>> [covers(MistralForCausalLM(MistralConfig(**small, sliding_window=w))) for w in (None, 4096)]
+    [True, False]
+    """
+    layers = getattr(getattr(base_model(model), "model", None), "layers", None)
+    config = base_model(model).config
+    types = getattr(config, "layer_types", None)
+    full = all(t == "full_attention" for t in types) if types else getattr(config, "sliding_window", None) is None
+    return (layers is not None and all(type(x).__name__ in LLAMA_LIKE for x in layers) and full
+            and not any(type(p).__name__ == "DTensor" for p in model.parameters()))
+
+
 class GroupedSteps:
     """Decode steps over U prompts with G rows each (rows prompt-major, as `generate` orders them).
 
