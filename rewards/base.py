@@ -199,13 +199,26 @@ def register(name: str) -> Callable[[type[Reward]], type[Reward]]:
     """Class decorator: make a reward available under `name` (the name used in YAML, logs and traces)."""
 
     def deco(cls: type[Reward]) -> type[Reward]:
-        if name in _REGISTRY:
-            raise RewardError(f"reward name {name!r} is already registered (by {_REGISTRY[name].__qualname__})")
+        old = _REGISTRY.get(name)
+        if old is not None and not _same_definition(old, cls):
+            raise RewardError(f"reward name {name!r} is already registered (by {old.__qualname__})")
         cls.name = name
-        _REGISTRY[name] = cls
+        _REGISTRY.setdefault(name, cls)  # (a definition imported twice: the first import's class stays)
         return cls
 
     return deco
+
+
+def _same_definition(a: type, b: type) -> bool:
+    """Whether two classes are one definition imported twice (the same name in the same source file), as
+    pytest's importlib mode does when it collects one reward file's doctests: that registers again, a
+    second class under a taken name does not."""
+    import inspect
+
+    try:
+        return a.__qualname__ == b.__qualname__ and inspect.getsourcefile(a) == inspect.getsourcefile(b)
+    except TypeError:  # (a class without a source file: defined in an interpreter session)
+        return False
 
 
 def registered() -> list[str]:

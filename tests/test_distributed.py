@@ -29,11 +29,13 @@ FSDP2 = ROOT / "config" / "accelerate" / "fsdp2_cpu_2_processes.yaml"
 
 
 def _train(out, procs, *sets, recipe="default", resume=False, check=True, fsdp=False, stop_after=None):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs)] if procs > 1 \
-        else [sys.executable]
+    # (a free port each, --standalone and --main_process_port 0: never port 29500 of another launch on the machine)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)] \
+        if procs > 1 else [sys.executable]
     if fsdp:  # the shipped accelerate config, through accelerate's own launcher
         assert procs == 2
-        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2)]
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP2),
+                    "--main_process_port", "0"]
     args = [*launcher, "-m", "docuchat_rl", "train", "--config", str(ROOT / "config" / f"{recipe}.yaml")]
     for s in [*SHORT, f"run.output_dir={out}", *sets]:
         args += ["--set", s]

@@ -123,7 +123,7 @@ def test_what_a_fixed_lag_does_not_support_yet_is_refused_in_one_line(tmp_path):
         cfg_for(tmp_path, "rollout.async_worker_threads=1")
 
 
-WORKER = ["rollout.async_lag=1", "rollout.async_worker_threads=1", "run.steps=5", "checkpoint.every=1"]
+WORKER = ["rollout.async_lag=1", "rollout.async_worker_threads=1", "run.steps=8", "checkpoint.every=1"]
 
 
 def _cli(out, *sets, resume=False):
@@ -158,7 +158,8 @@ def _worker_pid(learner: int) -> int:
 def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side_resumes_exactly(tmp_path):
     """The worker process (overlapping the update) gives the completions of the in-process reference and the
     same losses to float noise; kill -9 of the worker is one line, kill -9 of the learner takes the worker
-    with it; either way --resume gives the uninterrupted run's traces and metrics."""
+    with it, SIGTERM to the process group stops the learner at a checkpoint; after all three, --resume gives
+    the uninterrupted run's traces and metrics."""
     import math
     import os
     import signal
@@ -185,16 +186,23 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
     lines = [t for t in b if t["step"] in (2, 4)][::5]
     assert all(r.same for r in replay(full, lines, progress=False, say=lambda s: None))
 
-    for side in ("worker", "learner", "group"):  # (group: SIGTERM to the whole process group, as Slurm sends it)
-        cut = tmp_path / f"kill-{side}"
-        proc = subprocess.Popen(_cli(cut, *WORKER), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
+    # The three cuts in one run, each resume cut again further on (two CLI processes fewer than a run per cut):
+    # SIGTERM to the whole process group (as Slurm sends it), then kill -9 of the worker, then of the learner,
+    # each once the process has written a checkpoint of its own; then a last resume to the end (8 steps: room
+    # for each cut to land a step or two late).
+    cut = tmp_path / "cut"
+    for side, after in (("group", 1), ("worker", 2), ("learner", 1)):
+        done = max((int(c.name.split("-")[1]) for c in cut.glob("checkpoint-*") if c.name.split("-")[1].isdigit()),
+                   default=0)  # (the newest whole checkpoint: a killed write leaves checkpoint-N.tmp)
+        proc = subprocess.Popen(_cli(cut, *WORKER, resume=done > 0), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
         worker = _worker_pid(proc.pid)
         if side == "group":  # (first to the worker alone: it ignores both, as a group's signal reaches it too)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 os.kill(worker, sig)
-        while not (cut / ("checkpoint-1" if side == "group" else "checkpoint-2")).exists() and proc.poll() is None:
+        while not (cut / f"checkpoint-{done + after}").exists() and proc.poll() is None:
             time.sleep(0.05)
+        assert proc.poll() is None, f"the run ended before the {side} was cut"
         if side == "group":
             assert open(f"/proc/{worker}/stat", "rb").read().split()[2] not in (b"Z", b"X"), "the worker died"
             os.killpg(proc.pid, signal.SIGTERM)
@@ -220,9 +228,9 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
                 time.sleep(0.1)
             else:
                 raise AssertionError("the worker outlived its learner")
-        assert subprocess.run(_cli(cut, *WORKER, resume=True), cwd=ROOT).returncode == 0
-        for name in ("traces.jsonl", "metrics.jsonl"):
-            assert untimed(read_jsonl(cut / name)) == untimed(read_jsonl(full / name)), (side, name)
+    assert subprocess.run(_cli(cut, *WORKER, resume=True), cwd=ROOT).returncode == 0
+    for name in ("traces.jsonl", "metrics.jsonl"):
+        assert untimed(read_jsonl(cut / name)) == untimed(read_jsonl(full / name)), name
 
 
 @pytest.mark.slow

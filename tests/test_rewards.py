@@ -2,6 +2,8 @@
 
 import math
 
+import sys
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -326,6 +328,24 @@ def test_registering_a_name_twice_fails():
 
     with pytest.raises(RewardError, match="already registered"):
         register("format")(type("Dup", (Reward,), {}))
+
+
+def test_one_reward_file_imported_twice_registers_once():
+    """pytest's importlib mode imports a reward file a second time to collect its doctests alone
+    (`pytest rewards/format.py`); the same definition again is no clash, and the first class stays."""
+    import importlib.util
+
+    from rewards import format as first
+    from rewards.base import _REGISTRY
+
+    spec = importlib.util.spec_from_file_location("rewards.format_again", first.__file__)
+    again = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = again  # (as an import does, before the module runs)
+    try:
+        spec.loader.exec_module(again)
+    finally:
+        del sys.modules[spec.name]
+    assert again.Format is not first.Format and _REGISTRY["format"] is first.Format
 
 
 def test_dotted_path_reward_with_params():

@@ -35,10 +35,14 @@ def slow(prompts, completions, **kwargs):
 
 
 def slow_marked(prompts, completions, **kwargs):
-    """`slow`, after creating the file named by $DOCUCHAT_TEST_MARK (a test's sign that a step's scoring began)."""
+    """`slow`, after creating the file named by $DOCUCHAT_TEST_MARK (a test's sign that a step's scoring began);
+    once the file exists (a later call, or the test's second run), without the wait."""
     import os
 
-    open(os.environ["DOCUCHAT_TEST_MARK"], "a").close()
+    mark = os.environ["DOCUCHAT_TEST_MARK"]
+    if os.path.exists(mark):
+        return [1.0] * len(completions)
+    open(mark, "a").close()
     return slow(prompts, completions)
 
 
