@@ -70,18 +70,10 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         mask == 0, torch.finfo(dtype).min)[:, None, None, :]
 
 
-def supports(model, prefill_cache) -> bool:
-    """Whether the grouped step can decode `model` from this prefill cache: Llama-like layers, full
-    attention in every layer, unsharded weights."""
-    layers = getattr(getattr(base_model(model), "model", None), "layers", None)
-    return (layers is not None and all(type(x).__name__ in LLAMA_LIKE for x in layers)
-            and plain_full_attention(prefill_cache)
-            and not any(type(p).__name__ == "DTensor" for p in model.parameters()))
-
-
 def covers(model) -> bool:
-    """`supports` read off the model alone, before any prefill: Llama-like layers, every layer's attention
-    full by the config (`layer_types`, else no `sliding_window`), unsharded weights.
+    """Whether the grouped and static decode steps can decode `model`, read off the model before any prefill:
+    Llama-like layers, every layer's attention full by the config (`layer_types`, else no `sliding_window`),
+    unsharded weights.
 
     >>> from transformers import MistralConfig, MistralForCausalLM
     >>> small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -95,6 +87,12 @@ def covers(model) -> bool:
     full = all(t == "full_attention" for t in types) if types else getattr(config, "sliding_window", None) is None
     return (layers is not None and all(type(x).__name__ in LLAMA_LIKE for x in layers) and full
             and not any(type(p).__name__ == "DTensor" for p in model.parameters()))
+
+
+def supports(model, prefill_cache) -> bool:
+    """Whether the grouped step can decode `model` from this prefill cache: a model it `covers`, and a
+    cache of plain full-attention layers."""
+    return covers(model) and plain_full_attention(prefill_cache)
 
 
 class GroupedSteps:

@@ -23,7 +23,8 @@ weight's storage or the LoRA wrappers' state (with rollout.merge_adapter the mer
 tensors each rollout, so the graphs are captured again unless the allocator hands back the same addresses).
 
 Covers the models `grouped_decode.supports` covers (Llama-like decoder layers, full attention, unsharded
-weights); others decode through the dynamic loop. Deliberately left out: the grouped step's one copy of a
+weights); others decode through the dynamic loop, or on a GPU through transformers.generate
+(generation.engine_on). Deliberately left out: the grouped step's one copy of a
 prompt's keys per group (here each row holds its prompt's keys: simpler to keep static; the grouped
 layout is the next step if attention shows in the GPU profile), torch.compile (minutes of compilation
 for what a graph gives without it), and graphs of the prefill (one call per chunk, not launch-bound).
