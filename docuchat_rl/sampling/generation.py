@@ -292,7 +292,7 @@ def _plain_generation_config(model):
 def engine_on(model, engine: str, *, cuda_graphs: bool, device_type: str, lockstep: bool) -> str:
     """The engine that samples `model`: on a GPU, a fast loop asked for CUDA graphs hands a model the static
     decode does not cover (or sharded weights in lockstep) to transformers.generate, since the dynamic loop
-    is launch-bound there (4-5x slower than generate on one H100: docs/performance.md)."""
+    is launch-bound there (2.5-2.7x slower than generate on one H100: docs/performance.md)."""
     if engine == "fast" and cuda_graphs and device_type == "cuda" and (lockstep or not covers(model)):
         return "hf"
     return engine
@@ -318,7 +318,7 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
     covers with its step, which reads each prompt's keys/values once for its G rows. `cuda_graphs` (fast
     engine): decode those models at static shapes (static_decode.py), replayed as CUDA graphs on a GPU;
     there, a model they do not cover samples through transformers.generate (the hf engine), since our
-    dynamic loop is launch-bound on a GPU (4-5x slower than generate on one H100: docs/performance.md)."""
+    dynamic loop is launch-bound on a GPU (2.5-2.7x slower than generate on one H100: docs/performance.md)."""
     if engine not in ("fast", "hf", "vllm"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf, vllm")
     if engine == "vllm":  # a vLLM engine (vllm_engine.py) serves training rollouts only: evaluation, generate
