@@ -75,8 +75,9 @@ _ANNOTATION = re.compile(rf"<<[^<>=]*=\s*({_NUM})\s*>>")
 @register("gold_steps")
 class GoldSteps(Reward):
     """The share of the gold answer's intermediate results (GSM8K's `<<a op b=c>>` annotations, in the column
-    `answer_key`: by default `answer_text`, the answer column as the data set wrote it) that the completion reaches as the result of one of its own right `a op b = c` equations
-    (each of its results counts for one gold step at most); None when the gold has no annotations.
+    `answer_key`: by default `answer_text`, the answer column as the data set wrote it) that the completion
+    reaches as the result of one of its own right `a op b = c` equations (each of its results counts for one
+    gold step at most); None when the gold has no annotations.
 
     >>> r = GoldSteps()
     >>> gold = "4 + 3 = <<4+3=7>>7\\n7 * 2 = <<7*2=14>>14\\n14 - 1 = <<14-1=13>>13\\n#### 13"
