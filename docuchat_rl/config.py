@@ -63,6 +63,8 @@ class ModelConfig(Section):
     """Recompute each decoder layer's activations in the backward (transformers', non-reentrant): less memory for one more forward per layer; the update's shared prompt is off with it."""
     disable_dropout: bool = True
     """Turn the base model's dropout off (rollouts sample in eval mode; updates must score the same function)."""
+    stop_tokens: list[str] = []
+    """Texts of extra tokens that end a completion as EOS does, each one token of the vocabulary (e.g. "\n\n" for a base model that goes on with a question of its own); added to the model's EOS ids for every engine, evaluation and export; not part of the completion's text."""
 
 
 class LoraConfig(Section):

@@ -201,9 +201,10 @@ def in_compute_context(fn):
 
 
 def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str = "auto",
-                             trust_remote_code: bool = False, revision: str | None = None):
-    """(model on the device in the chosen dtype, tokenizer with a pad token); a load failure is one line
-    naming the key."""
+                             trust_remote_code: bool = False, revision: str | None = None,
+                             stop_tokens: list[str] | tuple[str, ...] = ()):
+    """(model on the device in the chosen dtype, tokenizer with a pad token), the `stop_tokens` among the
+    model's EOS ids (add_stop_tokens); a load failure is one line naming the key."""
     dev = pick_device(device)
     resolved = resolve_dtype(dtype, dev) if dtype != "base" else None
     with _quiet_local_load(Path(name_or_path).expanduser().exists()):
@@ -213,11 +214,48 @@ def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str
             model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    add_stop_tokens(model, tok, stop_tokens)
     if resolved == MIXED:
         enable_mixed(model)
     elif resolved == AUTOCAST:
         enable_autocast(model)
     return model.to(dev), tok
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """Every token id that ends a completion (generation config's EOS list, model.stop_tokens among them,
+    plus the tokenizer's)."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def add_stop_tokens(model, tokenizer, texts: list[str] | tuple[str, ...]) -> list[int]:
+    """Add the token of each text in `texts` (model.stop_tokens) to the model's generation_config EOS ids,
+    where every engine, evaluation and an export read them (generation.eos_ids); the ids added. A text that
+    is not exactly one token is refused, naming the key: a stop is matched token by token while decoding.
+
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> tok = AutoTokenizer.from_pretrained("data/model")
+    >>> model = AutoModelForCausalLM.from_pretrained("data/model")
+    >>> [tok.decode(i) for i in add_stop_tokens(model, tok, ["."])]
+    ['.']
+    """
+    ids, added = eos_ids(model, tokenizer), []
+    for text in texts:
+        pieces = tokenizer.encode(text, add_special_tokens=False)
+        if len(pieces) != 1:
+            shown = [tokenizer.decode([p]) for p in pieces]
+            raise ModelError(f"model.stop_tokens: {text!r} is {len(pieces)} tokens of this tokenizer ({shown}), not "
+                             "one; give the text of a single token")
+        if pieces[0] not in ids:
+            ids.append(pieces[0])
+            added.append(pieces[0])
+    if added:
+        model.generation_config.eos_token_id = ids
+    return added
 
 
 @contextlib.contextmanager

@@ -53,6 +53,7 @@ from .modeling import (
     add_critic_adapter,
     build_lora,
     disable_dropout,
+    eos_ids,
     load_model_and_tokenizer,
 )
 from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir
@@ -352,7 +353,7 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
     learner = Learner(cfg, model, algo, params, optimizer, scheduler, place.accelerator, dist,
                       tokenizer.pad_token_id, chunk, bool(place.sharded_layers), state.nonfinite_streak)
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
-                          place.lockstep, max_steps=cfg.run.steps, engine=engine)
+                          place.lockstep, max_steps=cfg.run.steps, engine=engine, stop=eos_ids(model, tokenizer))
     collector.multiturn = multiturn
     outputs = Outputs.open(out_dir, dist.is_main, state.offsets)
     wandb_run = None
@@ -392,7 +393,7 @@ def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algo
     decoder layers sharded and `place` told how generation sees them."""
     dist = place.dist
     model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, place.dtype, str(dist.device),
-                                                cfg.model.trust_remote_code, cfg.model.revision)
+                                                cfg.model.trust_remote_code, cfg.model.revision, cfg.model.stop_tokens)
     if cfg.model.disable_dropout:
         disable_dropout(model)
     hidden = model.config.hidden_size

@@ -229,7 +229,11 @@ def run_trl(a) -> dict:
     model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cuda" if gpu else "cpu")
     rows = load_examples(str(ROOT / cfg.data.train), "train", cfg.data.prompt_column, cfg.data.answer_column)
     order = prompt_order(len(rows), a)
-    data = Dataset.from_list([{"prompt": render_prompt(tok, rows[i].question, cfg.data.system_prompt),
+    if cfg.model.stop_tokens and not a.fixed_length:  # TRL's completion mask ends at its tokenizer's EOS only
+        raise SystemExit(f"benchmark: model.stop_tokens {cfg.model.stop_tokens} cannot reach TRL's side; compare "
+                         "this recipe with --lengths fixed, where neither side stops early")
+    data = Dataset.from_list([{"prompt": render_prompt(tok, rows[i].question, cfg.data.system_prompt,
+                                                       few_shot=cfg.data.few_shot_turns),
                                "answer": rows[i].answer} for i in order])
     # our reward components are TRL-style callables already (named after their registry names)
     funcs = [build_reward(c.name, c.params) for c in cfg.rewards.components]

@@ -87,6 +87,29 @@ def test_render_without_chat_template_falls_back_to_plain_text():
         chat_template = None
 
     assert render_prompt(Plain(), "Q?", "Be brief.") == "Be brief.\n\nQuestion: Q?\nAnswer: "
+    shot = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "#### 2"}]
+    # a blank line after each answered example: where a base model that goes on writes "\n\n" (a stop token)
+    assert render_prompt(Plain(), "Q?", None, few_shot=shot) == "Question: 1 + 1?\nAnswer: #### 2\n\nQuestion: Q?\nAnswer: "
+
+
+def test_a_plain_prompt_starts_with_bos_where_the_tokenizer_adds_one():
+    """A template-less tokenizer that puts BOS before every text (Gemma's, Llama's) gets it in the plain prompt,
+    which is encoded without special tokens; one that adds none (GPT-2's) gets none."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoTokenizer
+
+    from .conftest import MODEL
+
+    tok = AutoTokenizer.from_pretrained(str(MODEL))
+    tok.chat_template = None
+    assert not render_prompt(tok, "Q?", None).startswith("<|endoftext|>")
+    tok.bos_token = "<|endoftext|>"
+    bos = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    assert tok("1", add_special_tokens=True)["input_ids"][0] == bos
+    prompt = render_prompt(tok, "Q?", None)
+    assert prompt == "<|endoftext|>Question: Q?\nAnswer: "
+    assert tok(prompt, add_special_tokens=False)["input_ids"].count(bos) == 1
 
 
 def test_conversational_prompts_load_as_messages_and_render_through_the_template(tmp_path):

@@ -6,10 +6,10 @@ import torch
 
 from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
 from docuchat_rl.data import load_examples, render_prompt
-from docuchat_rl.modeling import warpers
-from docuchat_rl.sampling.generation import generate, inverse_cdf, sample
+from docuchat_rl.modeling import eos_ids, load_model_and_tokenizer, warpers
+from docuchat_rl.sampling.generation import completion_texts, generate, inverse_cdf, sample
 
-from .conftest import TASK
+from .conftest import MODEL, TASK
 
 
 def _prompts(tok, n):
@@ -154,6 +154,33 @@ def test_min_new_tokens_gives_fixed_lengths(tiny, engine):
                      num_return_sequences=2, engine=engine)
     assert all(len(c) == 60 for c in fixed.completion_ids)
     assert all(tok.eos_token_id not in c[:-1] for c in fixed.completion_ids)
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_a_stop_token_ends_a_completion_where_it_is_first_drawn_and_is_not_in_its_text(tiny, engine):
+    model, tok = tiny
+    prompts = _prompts(tok, 6)
+    kw = dict(max_new_tokens=40, do_sample=False, engine=engine)
+    free = generate(model, tok, prompts, **kw)
+    # a token the model writes mid-completion, whose text is that one token again: made a stop
+    row, stop_id = next((r, t) for r, c in enumerate(free.completion_ids) for t in c[2:-1]
+                        if tok.encode(tok.decode([t]), add_special_tokens=False) == [t])
+    stopped, stok = load_model_and_tokenizer(str(MODEL), "float32", "cpu", stop_tokens=[tok.decode([stop_id])])
+    stops = eos_ids(stopped, stok)
+    assert stop_id in stops
+    got = generate(stopped, stok, prompts, **kw)
+    cut_rows = 0
+    for before, after, truncated in zip(free.completion_ids, got.completion_ids, got.truncated):
+        first = next((i for i, t in enumerate(before) if t == stop_id), None)
+        if first is None:
+            assert after == before
+        else:
+            cut_rows += 1
+            assert after == before[:first + 1] and not truncated
+    assert cut_rows >= 1
+    texts = completion_texts(stok, got.completion_ids, stops)
+    assert texts[row] == tok.decode(got.completion_ids[row][:-1], skip_special_tokens=True)
+    assert texts[row] != tok.decode(got.completion_ids[row], skip_special_tokens=True)  # (the stop's text is gone)
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf"])

@@ -139,6 +139,21 @@ FAST_CLI = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.
             "logging.progress=false", "eval.before_and_after=false", "run.threads=1"]
 
 
+def _here(out, *sets, resume=False):
+    """What `_cli(out, *sets, resume=resume)` runs, in this process (a new interpreter spends ~10 s importing);
+    a run with a worker spawns it from here as the CLI does."""
+    from docuchat_rl.config import load_config
+
+    threads = torch.get_num_threads()  # (run.threads=1 sets it for the whole process)
+    trainer = Trainer(load_config(None, [*FAST_CLI, f"run.output_dir={out}", *sets]),
+                      resume="latest" if resume else None)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+
+
 def _worker_pid(learner: int) -> int:
     """The sampler worker among the learner's children (spawn also starts a resource tracker)."""
     import time
@@ -169,8 +184,8 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
     from .conftest import ROOT
 
     ref, full = tmp_path / "inline", tmp_path / "worker"
-    assert subprocess.run(_cli(ref, *WORKER, "rollout.async_worker_threads=0"), cwd=ROOT).returncode == 0
-    assert subprocess.run(_cli(full, *WORKER), cwd=ROOT).returncode == 0
+    _here(ref, *WORKER, "rollout.async_worker_threads=0")  # (the cuts below need the CLI's own processes)
+    _here(full, *WORKER)
     a, b = read_jsonl(ref / "traces.jsonl"), read_jsonl(full / "traces.jsonl")
     assert [t["completion_ids"] for t in a] == [t["completion_ids"] for t in b]
     for x, y in zip(read_jsonl(ref / "metrics.jsonl"), read_jsonl(full / "metrics.jsonl")):
@@ -228,7 +243,7 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
                 time.sleep(0.1)
             else:
                 raise AssertionError("the worker outlived its learner")
-    assert subprocess.run(_cli(cut, *WORKER, resume=True), cwd=ROOT).returncode == 0
+    _here(cut, *WORKER, resume=True)
     for name in ("traces.jsonl", "metrics.jsonl"):
         assert untimed(read_jsonl(cut / name)) == untimed(read_jsonl(full / name)), name
 

@@ -276,6 +276,20 @@ def test_a_bad_model_path_is_one_line_naming_the_key(tmp_path):
         assert "\n" not in str(e.value) and name in str(e.value)
 
 
+def test_a_stop_token_that_is_not_one_token_is_one_line_naming_the_key():
+    from docuchat_rl.errors import ModelError
+    from docuchat_rl.modeling import eos_ids, load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(MODEL), "float32", "cpu", stop_tokens=["\n"])
+    newline = tok.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1 and eos_ids(model, tok) == [tok.eos_token_id, *newline]
+    text = "Question:"
+    assert len(tok.encode(text, add_special_tokens=False)) > 1
+    with pytest.raises(ModelError, match=r"model.stop_tokens: 'Question:' is \d+ tokens of this tokenizer") as e:
+        load_model_and_tokenizer(str(MODEL), "float32", "cpu", stop_tokens=["\n", text])
+    assert "\n" not in str(e.value)
+
+
 def test_lora_target_modules_that_match_nothing_are_one_line_listing_the_linear_layers():
     from transformers import AutoModelForCausalLM
 

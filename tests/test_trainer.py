@@ -234,6 +234,22 @@ def test_actor_critic_runs_traces_values_and_resumes_bit_identically(tmp_path, a
 
 
 @pytest.mark.slow
+def test_model_stop_tokens_end_rollout_completions_and_leave_their_text(tmp_path):
+    """model.stop_tokens reaches the rollout: a completion ends at the first stop token, which the rewards'
+    text (the trace's completion) does not hold, and the sampling coordinate replay reads lists it."""
+    from transformers import AutoTokenizer
+
+    (newline,) = AutoTokenizer.from_pretrained(str(MODEL)).encode("\n", add_special_tokens=False)
+    t = Trainer(cfg_for(tmp_path, "run.steps=1", 'model.stop_tokens=["\\n"]'))
+    t.train()
+    t.close()
+    traces = read_jsonl(tmp_path / "traces.jsonl")
+    assert newline in traces[0]["sampling"]["stop_ids"]
+    ended = [r for r in traces if r["completion_ids"][-1] == newline]
+    assert ended and all(not r["truncated"] and not r["completion"].endswith("\n") for r in ended)
+    assert all(newline not in r["completion_ids"][:-1] for r in traces)
+
+
 def test_data_set_columns_reach_the_rewards(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"question": f"Ava has {i} apples. How many apples does Ava have now?",

@@ -182,7 +182,7 @@ def _own_policy(cfg: Config) -> tuple[torch.nn.Module, object]:
     from ..modeling import build_lora, disable_dropout, load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype, cfg.model.device,
-                                                cfg.model.trust_remote_code, cfg.model.revision)
+                                                cfg.model.trust_remote_code, cfg.model.revision, cfg.model.stop_tokens)
     if cfg.model.disable_dropout:
         disable_dropout(model)
     model = build_lora(model, cfg.lora)

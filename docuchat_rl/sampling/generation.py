@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling import base_model, cache_of, in_compute_context, position_ids, warpers, with_cache
+from ..modeling import base_model, cache_of, eos_ids, in_compute_context, position_ids, warpers, with_cache
 from .grouped_decode import GroupedSteps, additive_mask, covers, plain_full_attention, supports
 from .static_decode import static_chunk
 
@@ -77,13 +77,11 @@ class Draw:
     logps: torch.Tensor  # [R] float32: log-prob of each token under the (warped) distribution it was drawn from
 
 
-def eos_ids(model, tokenizer) -> list[int]:
-    """Every token id that ends a completion (generation config's EOS list plus the tokenizer's)."""
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else ([ids] if isinstance(ids, int) else list(ids))
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
+def completion_texts(tokenizer, completions: list[list[int]], stop: list[int]) -> list[str]:
+    """Each completion's text without the token that ended it: an EOS is special and skipped anyway, a
+    model.stop_tokens token ("\n\n") is not, and a reward must not see it."""
+    return tokenizer.batch_decode([c[:-1] if c and c[-1] in stop else c for c in completions],
+                                  skip_special_tokens=True)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from ..distributed import Dist
 from ..learning.batch import Batch, build_batch
 from ..modeling import merged_adapter
 from ..traces import TraceRecord, completion_fields
-from .generation import Generation, generate, row_seed
+from .generation import Generation, completion_texts, generate, row_seed
 from .multiturn import turns_json
 from .scoring import score
 
@@ -163,8 +163,9 @@ class Collector:
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
                  reward: CompositeReward, sampler: PromptSampler, seed: int = 0, dist: Dist | None = None,
-                 lockstep=None, max_steps: int = 0, engine: Engine | None = None):
+                 lockstep=None, max_steps: int = 0, engine: Engine | None = None, stop: list[int] = ()):
         self.cfg, self.tokenizer, self.examples, self.max_steps = cfg, tokenizer, examples, max_steps
+        self.stop = list(stop)  # the ids that end a completion (generation.eos_ids): not part of its text
         self.engine = engine  # what samples (engines.py); None: our engines on the model `collect` is given
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
         self.dist = dist or Dist()
@@ -193,7 +194,7 @@ class Collector:
             gen = self.multiturn.sample(idx, [self.examples[i] for i in idx], seeds, first, more)
         else:
             gen = first(idx)
-        return gen, self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        return gen, completion_texts(self.tokenizer, gen.completion_ids, self.stop)
 
     def collect(self, model, timer: Timer, step: int, version: int | None = None) -> Rollout:
         """Rollout and score until the step's groups are ready (refilling when dynamic sampling drops some),
@@ -269,7 +270,7 @@ class Collector:
         lo, _ = self.dist.share(n)
         with timer("rollout"):  # (the wait for the worker: 0 when it sampled while the learner updated)
             idx, seeds, gen = self.ahead.take(step)
-        texts = self.tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+        texts = completion_texts(self.tokenizer, gen.completion_ids, self.stop)
         examples = [self.examples[i] for i in idx for _ in range(g)]  # (every process has prompts: P divides)
         with timer("score"):
             result = score(self.reward, examples, texts, gen, self.trainer_state(step))

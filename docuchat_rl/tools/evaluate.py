@@ -25,8 +25,8 @@ from rewards import CompositeReward
 from ..config import Config
 from ..data import Example, load_examples, load_split, render_prompt
 from ..distributed import Dist
-from ..modeling import merged_adapter
-from ..sampling.generation import generate, row_seed
+from ..modeling import eos_ids, merged_adapter
+from ..sampling.generation import completion_texts, generate, row_seed
 from ..sampling.multiturn import multiturn_from_config
 from ..sampling.scoring import build_reward, score
 from ..traces import reward_means
@@ -140,7 +140,7 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
                  lockstep=lockstep)
     if not examples:
         return []
-    texts = tokenizer.batch_decode(gen.completion_ids, skip_special_tokens=True)
+    texts = completion_texts(tokenizer, gen.completion_ids, eos_ids(model, tokenizer))
     res = score(reward, examples, texts, gen)
     hits: list[list[float]] = [[] for _ in examples]
     if k:
@@ -159,7 +159,7 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
                                         lambda ids, row_seeds, n: sampled(ids, row_seeds, n, 1), group_size=k)
             else:
                 sgen = sampled(prompts, seeds)
-        stexts = tokenizer.batch_decode(sgen.completion_ids, skip_special_tokens=True)
+        stexts = completion_texts(tokenizer, sgen.completion_ids, eos_ids(model, tokenizer))
         sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
         flat = [rec.components[acc_name].raw or 0.0 for rec in sres.records]
         hits = [flat[i * k:(i + 1) * k] for i in range(len(examples))]

@@ -24,9 +24,9 @@ from ..checkpoint import saved_config
 from ..config import Config, ModelConfig
 from ..data import Example, render_prompt
 from ..errors import ModelError
-from ..modeling import load_model_and_tokenizer
+from ..modeling import eos_ids, load_model_and_tokenizer
 from ..outputs import read_jsonl
-from ..sampling.generation import generate
+from ..sampling.generation import completion_texts, generate
 
 
 def config_of_checkpoint(adapter: str | Path) -> dict | None:
@@ -56,7 +56,7 @@ def load_policy(m: ModelConfig, adapter: str | Path | None, device: str | None =
     """(model, tokenizer): the configured base model (on `device`, else model.device), with the
     checkpoint's adapter when given."""
     model, tok = load_model_and_tokenizer(m.name_or_path, m.dtype, device or m.device, m.trust_remote_code,
-                                          m.revision)
+                                          m.revision, m.stop_tokens)
     if adapter is not None:
         from peft import PeftModel
 
@@ -89,7 +89,7 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
                        do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
                        batch_size=cfg.eval.batch_size, num_return_sequences=n, engine=cfg.rollout.engine,
                        grouped_decode=cfg.rollout.grouped_decode)
-    texts = tok.batch_decode(gen.completion_ids, skip_special_tokens=True)
+    texts = completion_texts(tok, gen.completion_ids, eos_ids(model, tok))
     rows = [e for e in examples for _ in range(n)]
     result = score(reward, rows, texts, gen) if reward is not None else None
     return [completion_fields(e, i % n, text, len(gen.completion_ids[i]), gen.truncated[i],
@@ -140,7 +140,7 @@ def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[s
         gen = generate(model, tok, [prompt], max_new_tokens=max_new_tokens, do_sample=do_sample,
                        temperature=temperature, top_p=top_p, top_k=top_k, engine=cfg.rollout.engine,
                        grouped_decode=cfg.rollout.grouped_decode)
-        reply = tok.decode(gen.completion_ids[0], skip_special_tokens=True).strip()
+        reply = completion_texts(tok, gen.completion_ids, eos_ids(model, tok))[0].strip()
         messages.append({"role": "assistant", "content": reply})
         write(f"model> {reply}\n")
         replies += 1
@@ -159,7 +159,8 @@ def export_merged(cfg: Config, adapter: str | Path, out: str | Path, dtype: str 
         raise FileExistsError(f"export folder {out} is not empty; give a new folder")
     check_adapter_files(adapter)
     m = cfg.model
-    base, tok = load_model_and_tokenizer(m.name_or_path, dtype, "cpu", m.trust_remote_code, m.revision)
+    base, tok = load_model_and_tokenizer(m.name_or_path, dtype, "cpu", m.trust_remote_code, m.revision,
+                                         m.stop_tokens)
     lm_head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
     if getattr(base.config, "tie_word_embeddings", False) and lm_head is not None and \
             lm_head.weight is embedding.weight:
