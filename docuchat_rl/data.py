@@ -4,7 +4,8 @@ A data set is any table with a prompt column and an answer column (names set in 
 answers ("... #### 72") are reduced to their final answer for scoring by `rewards.correctness.gold_of`,
 the one rule used everywhere. A prompt is either text (one user turn) or, as in TRL's conversational
 data sets, a list of `{"role", "content"}` messages (any turns); both are rendered through the
-tokenizer's chat template, with the configured system prompt put first when the messages carry none.
+tokenizer's chat template, with the configured system prompt put first when the messages carry none (a
+tokenizer with no template, a base model's: a plain `Question: ... Answer: ...` text, with its BOS).
 `PromptSampler` gives the data order (epoch-wise permutations); with `data.curriculum`, `CurriculumSampler`
 draws from the rows up to the current difficulty level and `Curriculum` decides, from the run's own
 training accuracy, when the next level joins.

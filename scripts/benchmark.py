@@ -229,9 +229,6 @@ def run_trl(a) -> dict:
     model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cuda" if gpu else "cpu")
     rows = load_examples(str(ROOT / cfg.data.train), "train", cfg.data.prompt_column, cfg.data.answer_column)
     order = prompt_order(len(rows), a)
-    if cfg.model.stop_tokens and not a.fixed_length:  # TRL's completion mask ends at its tokenizer's EOS only
-        raise SystemExit(f"benchmark: model.stop_tokens {cfg.model.stop_tokens} cannot reach TRL's side; compare "
-                         "this recipe with --lengths fixed, where neither side stops early")
     data = Dataset.from_list([{"prompt": render_prompt(tok, rows[i].question, cfg.data.system_prompt,
                                                        few_shot=cfg.data.few_shot_turns),
                                "answer": rows[i].answer} for i in order])
@@ -534,6 +531,13 @@ def main() -> None:
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     fill_settings(a)
+    if a.config and a.lengths != "fixed" and a.only != "ours" and not a.worker:
+        from docuchat_rl.config import load_config
+
+        stops = load_config(a.config, a.overrides).model.stop_tokens
+        if stops:  # TRL's completion mask ends at its tokenizer's EOS only
+            ap.error(f"model.stop_tokens {stops} cannot reach TRL's side: compare this recipe with --lengths fixed, "
+                     "where neither side stops early (or --only ours)")
     if a.ours and not a.keep:
         ap.error("--ours needs --keep (the folder its evaluation and TRL's side go to)")
     if a.keep and not a.worker:

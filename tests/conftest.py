@@ -23,6 +23,24 @@ def tiny():
     return load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
 
 
+def train_here(recipe: Path | None, sets: list[str], resume: str | None = None, stop_after: int | None = None) -> None:
+    """What `docuchat-rl train --config recipe --set ...` runs, in this process (a new interpreter spends
+    ~10 s importing); a run with a worker spawns it from here as the CLI does. Torch's thread count, which
+    run.threads sets for the whole process, is restored."""
+    import torch
+
+    from docuchat_rl.config import load_config
+    from docuchat_rl.trainer import Trainer
+
+    threads = torch.get_num_threads()
+    trainer = Trainer(load_config(recipe, sets), resume=resume)
+    try:
+        trainer.train(stop_after=stop_after)
+    finally:
+        trainer.close()
+        torch.set_num_threads(threads)
+
+
 def with_lora(model, target_modules, r: int = 4, alpha: float = 8):
     """`model` with a LoRA adapter whose B matrices are non-zero (as after training), seeded."""
     import torch

@@ -19,7 +19,7 @@ import pytest
 from docuchat_rl.outputs import read_jsonl
 from docuchat_rl.trainer import MEASURED
 
-from .conftest import ROOT
+from .conftest import ROOT, train_here
 
 SHORT = ["rollout.prompts_per_step=4", "rollout.num_generations=4", "rollout.max_new_tokens=24",
          "logging.progress=false", "eval.before_and_after=false", "run.threads=1"]
@@ -67,20 +67,9 @@ def launched(tmp_path_factory):
 
 
 def _train_here(out, *sets, recipe="default", stop_after=None, fsdp=False):
-    """What `_train(out, 1, ...)` runs, in this process (a new interpreter spends ~10 s importing)."""
+    """What `_train(out, 1, ...)` runs, in this process."""
     assert not fsdp  # (FSDP2 needs its launcher)
-    import torch
-
-    from docuchat_rl.config import load_config
-    from docuchat_rl.trainer import Trainer
-
-    threads = torch.get_num_threads()  # (run.threads=1 sets it for the whole process)
-    trainer = Trainer(load_config(ROOT / "config" / f"{recipe}.yaml", [*SHORT, f"run.output_dir={out}", *sets]))
-    try:
-        trainer.train(stop_after=stop_after)
-    finally:
-        trainer.close()
-        torch.set_num_threads(threads)
+    train_here(ROOT / "config" / f"{recipe}.yaml", [*SHORT, f"run.output_dir={out}", *sets], stop_after=stop_after)
     return out
 
 

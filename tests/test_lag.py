@@ -16,6 +16,7 @@ from docuchat_rl.sampling.rollout import Timer
 from docuchat_rl.tools.inference import load_policy
 from docuchat_rl.trainer import Trainer
 
+from .conftest import train_here
 from .test_trainer import cfg_for, untimed
 
 LAG = ["run.steps=5", "checkpoint.every=1", "checkpoint.keep_last=10", "rollout.async_lag=2"]
@@ -140,18 +141,8 @@ FAST_CLI = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.
 
 
 def _here(out, *sets, resume=False):
-    """What `_cli(out, *sets, resume=resume)` runs, in this process (a new interpreter spends ~10 s importing);
-    a run with a worker spawns it from here as the CLI does."""
-    from docuchat_rl.config import load_config
-
-    threads = torch.get_num_threads()  # (run.threads=1 sets it for the whole process)
-    trainer = Trainer(load_config(None, [*FAST_CLI, f"run.output_dir={out}", *sets]),
-                      resume="latest" if resume else None)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-        torch.set_num_threads(threads)
+    """What `_cli(out, *sets, resume=resume)` runs, in this process."""
+    train_here(None, [*FAST_CLI, f"run.output_dir={out}", *sets], resume="latest" if resume else None)
 
 
 def _worker_pid(learner: int) -> int:
