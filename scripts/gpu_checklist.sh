@@ -53,7 +53,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-for s in ${ONLY}; do [[ " $STAGES_ALL " == *" $s "* ]] || { echo "unknown stage $s; stages: $STAGES_ALL" >&2; exit 2; }; done
+STAGE_NAMES="$STAGES_ALL profile-graphs profile-hf profile-fast"  # (profile runs all three engines; each can be named)
+for s in ${ONLY}; do [[ " $STAGE_NAMES " == *" $s "* ]] || { echo "unknown stage $s; stages: $STAGE_NAMES" >&2; exit 2; }; done
 
 if [ "$FETCH" = 1 ]; then
   grep -qx '/.whl/' .git/info/exclude 2>/dev/null || grep -qx '/.whl/' .gitignore || echo '/.whl/' >> .git/info/exclude
