@@ -178,6 +178,8 @@ for variant in "graphs:--set rollout.engine=fast --set rollout.cuda_graphs=true"
     --set "model.name_or_path=$(model_dir)" "${PROFILE_SETS[@]}" --trace "$trace" ${variant#*:}
   if [ -f "$trace" ]; then  # (what comes back from the device is at most 16 MB a file)
     gzip -f "$trace"
+    { printf '\nWhere a decoded token'"'"'s GPU time goes (scripts/trace_kernels.py):\n\n```\n'
+      "$PY" scripts/trace_kernels.py "$trace.gz" 2>&1 | tail -n 12; printf '```\n'; } >> "$REPORT"
     if [ "$(stat -c %s "$trace.gz")" -gt 15000000 ]; then
       rm -f "$trace.gz"; echo "the trace was over 15 MB gzipped: left out" >> "$REPORT"
     else

@@ -26,8 +26,11 @@ Covers the models `grouped_decode.supports` covers (Llama-like decoder layers, f
 weights); others decode through the dynamic loop, or on a GPU through transformers.generate
 (generation.engine_on). Deliberately left out: the grouped step's one copy of a
 prompt's keys per group (here each row holds its prompt's keys: simpler to keep static; the grouped
-layout is the next step if attention shows in the GPU profile), torch.compile (minutes of compilation
-for what a graph gives without it), and graphs of the prefill (one call per chunk, not launch-bound).
+layout is the next step if attention shows in the GPU profile: it did not, 2% of a token), torch.compile
+(not built yet: a graph removes the launches but not the kernels, and the H200 profile of this step,
+docs/performance.md round 3, has 1,177 kernels a token, 47% of its time in unfused elementwise work, where
+compiling the step inside the same graphs is the next lever), and graphs of the prefill (one call per
+chunk, not launch-bound).
 """
 
 from __future__ import annotations
