@@ -102,6 +102,27 @@ def test_tool_results_become_the_tokens_the_template_renders_after_an_assistant_
     assert tok.decode(ids).endswith(tail)
 
 
+def test_a_turn_ends_at_the_models_stop_token_when_the_templates_end_of_turn_is_not_the_tokenizers_eos():
+    """A base model's tokenizer with an instruct template (Qwen2.5's base: EOS <|endoftext|>, turns ending
+    in <|im_end|>), <|im_end|> made a stop (model.stop_tokens): the turn's text leaves it out, and the tool
+    results follow it exactly as the template renders them (the newline after it included)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    tok.eos_token = "<|endoftext|>"
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    p = Protocol(tok, _source().schemas, "text", stop_ids=[end])
+    messages, kw = p.prompt_messages([{"role": "user", "content": "What is 2 + 3?"}])
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
+    turn = tok(CALL, add_special_tokens=False)["input_ids"] + [end]
+    assert p.turn_text(turn) == CALL
+    ids = tok(text, add_special_tokens=False)["input_ids"] + turn + p.result_ids([("add", "5")])
+    assert tok.decode(ids).endswith("</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n5\n</tool_response>"
+                                    "<|im_end|>\n<|im_start|>assistant\n")
+    eos_only = Protocol(tok, _source().schemas, "text")  # (the tokenizer's EOS alone: the newline is lost)
+    assert eos_only.result_ids([("add", "5")]) != p.result_ids([("add", "5")])
+
+
 def test_tool_faults_are_told_to_the_model_and_async_tools_run_concurrently():
     from tests import tool_envs as t
 

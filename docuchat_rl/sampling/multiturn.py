@@ -178,11 +178,14 @@ def call_format(tokenizer) -> str:
 class Protocol:
     """How tools reach the prompt, how calls are read from a turn and how results become tokens."""
 
-    def __init__(self, tokenizer, tools: list[dict], mode: str = "auto"):
+    def __init__(self, tokenizer, tools: list[dict], mode: str = "auto", stop_ids: list[int] | tuple = ()):
         self.tokenizer, self.tools = tokenizer, tools
         self.template = template_renders_tools(tokenizer) if mode == "auto" else mode == "template"
         self.format = call_format(tokenizer) if self.template else "hermes"
-        self.eos_id = tokenizer.eos_token_id
+        # the tokens that end a turn: the model's stops (modeling.eos_ids: its generation config's EOS list,
+        # model.stop_tokens among them) and the tokenizer's EOS; a chat template whose end-of-turn token is
+        # not the tokenizer's EOS (Gemma's <end_of_turn> beside <eos>) ends its turns with one of the former
+        self.stop_ids = frozenset(i for i in (*stop_ids, tokenizer.eos_token_id) if i is not None)
 
     def prompt_messages(self, turns: list[dict]) -> tuple[list[dict], dict]:
         """(messages, apply_chat_template kwargs) of a prompt: the text protocol puts the signatures in the
@@ -203,10 +206,16 @@ class Protocol:
             return [_call_of(body, "parameters")]
         return [_call_of(m.group(1).strip(), "arguments", closed=bool(m.group(2))) for m in _HERMES.finditer(text)]
 
+    def turn_text(self, ids: list[int]) -> str:
+        """One assistant turn's text: special tokens kept (Hermes' <tool_call> may be one), the end-of-turn
+        token(s) and padding removed."""
+        drop = self.stop_ids | {self.tokenizer.pad_token_id}
+        return self.tokenizer.decode([t for t in ids if t not in drop], skip_special_tokens=False)
+
     def result_ids(self, results: list[tuple[str, str]]) -> list[int]:
         """The tokens that follow an assistant turn's end-of-turn token to show `results` [(tool name, text)]
         and open the next assistant turn: the template rendered after a fixed dummy turn, cut at that turn's
-        last EOS (TRL's method: the history before it is never re-tokenised)."""
+        last end-of-turn token (TRL's method: the history before it is never re-tokenised)."""
         tok = self.tokenizer
         if self.template:
             calls = [{"type": "function", "function": {"name": results[0][0], "arguments": {}}}]
@@ -218,7 +227,7 @@ class Protocol:
             tail = [{"role": "user", "content": body}]
         prefix = tok.apply_chat_template(head, tokenize=True, return_dict=False)
         full = tok.apply_chat_template(head + tail, tokenize=True, return_dict=False, add_generation_prompt=True)
-        ends = [i for i, t in enumerate(prefix) if t == self.eos_id]
+        ends = [i for i, t in enumerate(prefix) if t in self.stop_ids]
         if ends:
             prefix = prefix[:ends[-1] + 1]
         if full[:len(prefix)] != prefix:
@@ -394,7 +403,7 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
     tok = protocol.tokenizer
     rows = [RowState(first.prompt_ids[r], seeds[r], tools[r]) for r in range(len(seeds))]
     for row, ids, logps, cut in zip(rows, first.completion_ids, first.logps, first.truncated):
-        _add_turn(row, ids, logps, cut, _turn_text(tok, ids))
+        _add_turn(row, ids, logps, cut, protocol.turn_text(ids))
     for turn in range(1, limits.max_turns + 1):
         pending = []  # rows whose last turn made calls that run now
         for row in rows:
@@ -441,7 +450,7 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
         for (row, room), ids, logps, cut in zip(go, gen.completion_ids, gen.logps, gen.truncated):
             if len(ids) > room:  # (sampled to the longest row's room: each row's own draws, cut to its room)
                 ids, logps, cut = ids[:room], logps[:room], True
-            _add_turn(row, ids, logps, cut, _turn_text(tok, ids))
+            _add_turn(row, ids, logps, cut, protocol.turn_text(ids))
     for row in rows:
         if not row.done and row.turns:
             row.turns[-1].ended = "truncated" if row.truncated else "answer"
@@ -464,13 +473,6 @@ def _scripted(row: RowState, script: dict[int, list[dict]] | None) -> bool:
         if c.error is None or w["error"] is not None:
             c.result, c.error = w["result"], w["error"]
     return True
-
-
-def _turn_text(tokenizer, ids: list[int]) -> str:
-    """One assistant turn's text: special tokens kept (Hermes' <tool_call> may be one), the end-of-turn
-    token(s) removed."""
-    stops = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    return tokenizer.decode([t for t in ids if t not in stops], skip_special_tokens=False)
 
 
 def _truncate(tokenizer, call: ToolCall, cap: int) -> str:
@@ -593,17 +595,18 @@ def _observed(turns: list[dict], observation: str | None) -> list[dict]:
     return [*turns[:last], {**turns[last], "content": turns[last]["content"] + observation}, *turns[last + 1:]]
 
 
-def multiturn_from_config(cfg, tokenizer, max_new_tokens: int | None = None, group_size: int | None = None
-                          ) -> MultiTurn | None:
+def multiturn_from_config(cfg, tokenizer, max_new_tokens: int | None = None, group_size: int | None = None,
+                          stop_ids: list[int] | tuple = ()) -> MultiTurn | None:
     """The tools and environment a multi-turn run calls (loaded, described and checked before anything is
-    sampled), or None for single-turn rollouts; `max_new_tokens` and `group_size` for evaluation's own."""
+    sampled), or None for single-turn rollouts; `max_new_tokens` and `group_size` for evaluation's own,
+    `stop_ids` the model's end-of-turn tokens (modeling.eos_ids)."""
     r = cfg.rollout
     if not r.multi_turn:
         return None
     source = ToolSource.load(r.tools, r.environment_factory)
     if not source.schemas:
         raise ToolError("rollout.tools and rollout.environment_factory give the model no tool to call")
-    protocol = Protocol(tokenizer, source.schemas, r.tool_protocol)
+    protocol = Protocol(tokenizer, source.schemas, r.tool_protocol, stop_ids)
     protocol.result_ids([(source.schemas[0]["function"]["name"], "0")])  # (a template that cannot append fails now)
     if source.has_reward and "environment" not in {c.name for c in cfg.rewards.components}:
         raise ToolError(f"rollout.environment_factory {r.environment_factory} has get_reward(): add it to the "
