@@ -226,6 +226,8 @@ class RolloutConfig(Section):
     """Our fast loop's decode step for Llama, Qwen2 and Mistral (full attention): each prompt's keys/values read once for its G rows (engine fast; eval and chat under vllm); auto: on on CPUs, off on GPUs (measured on 2 CPU cores and one H100)."""
     cuda_graphs: Switch = AUTO
     """Our fast loop's decode at static shapes (Llama, Qwen2, Mistral with full attention), each token's step replayed as one CUDA graph on a GPU (on a CPU it runs the same step eagerly: for tests); on a GPU a model it does not cover samples through transformers.generate; auto: on on GPUs (2.5x faster steps on one H100, 0.5B shape), off on CPUs and with sharded_generation (docs/performance.md)."""
+    compile_decode: bool = False
+    """torch.compile the static decode step (with cuda_graphs), its output captured in the same graphs: fuses the ~900 small elementwise kernels of a token's step (47% of its GPU time on one H200, 0.5B shape); one compilation per row bucket and shape at first use; off until measured on a GPU (docs/performance.md, round 3)."""
     merge_adapter: Switch = AUTO
     """Sample with the LoRA deltas folded into the base weights, restored exactly after (in bfloat16 the merge rounds the delta: a small sampler/trainer gap); auto: on (off with sharded_generation; measured on 2 CPU cores and one H100)."""
     sharded_generation: bool = False
@@ -471,6 +473,9 @@ class Config(Section):
         if r.cuda_graphs is True and r.engine in ("hf", "vllm"):
             raise ValueError(f"rollout.cuda_graphs applies to our fast decode loop (rollout.engine fast), not to "
                              f"rollout.engine {r.engine}")
+        if r.compile_decode and (r.cuda_graphs is False or r.engine in ("hf", "vllm")):
+            raise ValueError("rollout.compile_decode compiles the static decode step: it needs rollout.cuda_graphs "
+                             f"(now {r.cuda_graphs}) and our fast loop (rollout.engine now {r.engine})")
         if r.engine != "vllm" and r.vllm != VLLMConfig():
             raise ValueError(f"rollout.vllm applies to rollout.engine vllm, not {r.engine}")
         if r.engine == "vllm" and r.sharded_generation:
@@ -533,6 +538,10 @@ class Config(Section):
 
         graphs = pick(r.cuda_graphs, False, r.engine in (AUTO, "fast") and not r.sharded_generation)
         engine = pick(r.engine, "fast", "fast" if graphs else "hf")  # (graphs are the fast loop's)
+        if r.compile_decode and not graphs:
+            raise ConfigError(f"rollout.compile_decode compiles the static decode step, and rollout.cuda_graphs "
+                              f"auto is off on {device_type}: set rollout.cuda_graphs=true with it (on a CPU the "
+                              "step then runs compiled, without graphs)")
         rollout = r.model_copy(update={  # (grouped decode is the fast loop's: never on under the hf engine)
             "engine": engine, "cuda_graphs": graphs, "grouped_decode": pick(r.grouped_decode, engine != "hf", False),
             "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, not r.sharded_generation),

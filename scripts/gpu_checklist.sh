@@ -21,8 +21,12 @@
 # Stages, in the order they run (the figures each feeds are named in docs/performance.md, "GPU"):
 #   env       the GPU, torch, CUDA, every package's version, our package imports
 #   tests     the CUDA tests (static decode replayed as CUDA graphs against the eager step) and the decode tests
+#   compile   our step with rollout.compile_decode (the static step through torch.compile, in the same graphs)
+#             against the GPU defaults
 #   trl       our step against TRL's GRPOTrainer at the same settings (GPU defaults)
-#   profile   torch's profiler on one step of each engine (fast + graphs, hf, dynamic fast), CUDA time per operator
+#   profile   torch's profiler on one step of each engine (fast + graphs, the same compiled, hf, dynamic fast),
+#             CUDA time per operator, and scripts/trace_kernels.py's breakdown of a decoded token
+#             (profile-graphs, profile-compiled, profile-hf, profile-fast: one of them)
 #   graphs    our step at the 0.5B shape: GPU defaults (the fast loop's static decode as CUDA graphs, merged
 #             adapter), without graphs (the hf engine), unmerged, bf16-autocast (TRL's memory recipe) and
 #             autocast without graphs
@@ -36,7 +40,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.0 multiprocess==0.70.18 pydantic==2.13.4 pydantic-core==2.46.4
         annotated-types==0.8.0 typing-inspection==0.4.5 math-verify==0.9.0 latex2sympy2_extended==1.11.0
         antlr4-python3-runtime==4.13.2 gguf==0.19.0 simpleeval==1.0.8 transformers==5.24.0 peft==0.21.2)
-STAGES_ALL="env tests graphs trl trl-autocast switches profile lag"
+STAGES_ALL="env tests compile graphs trl trl-autocast switches profile lag"
 
 ARGS="$*"
 DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0
@@ -47,13 +51,13 @@ while [ $# -gt 0 ]; do
     --only) ONLY="$2"; shift ;;
     --report) REPORT="$2"; shift ;;
     --fetch-wheels) FETCH=1 ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
     *) echo "gpu_checklist.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
 done
 
-STAGE_NAMES="$STAGES_ALL profile-graphs profile-hf profile-fast"  # (profile runs all three engines; each can be named)
+STAGE_NAMES="$STAGES_ALL profile-graphs profile-compiled profile-hf profile-fast"  # (profile runs every engine's; each can be named)
 for s in ${ONLY}; do [[ " $STAGE_NAMES " == *" $s "* ]] || { echo "unknown stage $s; stages: $STAGE_NAMES" >&2; exit 2; }; done
 
 if [ "$FETCH" = 1 ]; then
@@ -165,9 +169,14 @@ PY
 stage tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_grouped_decode.py \
   tests/test_generation.py -k "not browser"
 
+# the static step through torch.compile (round 3's lead: 47% of a token's GPU time in unfused elementwise kernels)
+stage compile 360 "${BENCH[@]}" --switches --flip "rollout.cuda_graphs=true + rollout.compile_decode=true"
+
 stage trl 480 "${BENCH[@]}"
 
-for variant in "graphs:--set rollout.engine=fast --set rollout.cuda_graphs=true" "hf:--set rollout.engine=hf" \
+for variant in "graphs:--set rollout.engine=fast --set rollout.cuda_graphs=true" \
+               "compiled:--set rollout.engine=fast --set rollout.cuda_graphs=true --set rollout.compile_decode=true" \
+               "hf:--set rollout.engine=hf" \
                "fast:--set rollout.engine=fast --set rollout.cuda_graphs=false"; do
   name="profile-${variant%%:*}"
   [[ " $ONLY " == *" profile "* ]] && ONLY="$ONLY $name"

@@ -203,6 +203,13 @@ def test_auto_switches_are_decided_per_device_and_explicit_values_win():
     assert sharded.rollout.merge_adapter is False  # (the sharded weights cannot take the merged delta)
     sharded = load_config(ROOT / "config/default.yaml", ["rollout.sharded_generation=true"]).for_device("cuda")
     assert (sharded.rollout.engine, sharded.rollout.cuda_graphs) == ("hf", False)  # (lockstep: no static decode)
+    compiled = load_config(ROOT / "config/default.yaml", ["rollout.compile_decode=true"])
+    assert compiled.for_device("cuda").rollout.cuda_graphs is True  # (auto graphs on a GPU: the step it compiles)
+    with pytest.raises(ConfigError, match="rollout.compile_decode .* auto is off on cpu: set rollout.cuda_graphs=true"):
+        compiled.for_device("cpu")
+    for override in ("rollout.cuda_graphs=false", "rollout.engine=hf"):
+        with pytest.raises(ValueError, match="rollout.compile_decode compiles the static decode step: it needs"):
+            load_config(ROOT / "config/default.yaml", ["rollout.compile_decode=true", override])
 
 
 @pytest.mark.parametrize("override,says", [

@@ -1,8 +1,8 @@
 """The static-shape decode (rollout.cuda_graphs) against the dynamic fast loop: the same completions and
 log-probs with the same row seeds, on the embedded default and on tiny random-weight Llama (grouped-query,
 biased) and Qwen2, with rows ending at different steps (bucket compaction), min_new_tokens, top-k/top-p,
-greedy, LoRA merged or not, and buffers reused across calls. On a GPU, the graphs replayed against the same
-step run eagerly."""
+greedy, LoRA merged or not, buffers reused across calls, and the step compiled (rollout.compile_decode). On
+a GPU, the graphs replayed against the same step run eagerly, and compiled."""
 
 import pytest
 import torch
@@ -102,6 +102,19 @@ def test_models_the_static_step_does_not_cover_decode_as_before(tiny):
     assert model not in static_decode._DECODERS
 
 
+def test_the_compiled_static_step_samples_what_the_fast_loop_samples(tiny):
+    """rollout.compile_decode: the step through torch.compile (inductor's fused kernels; on a CPU, C++) gives the
+    dynamic loop's completions and log-probs, sampled and greedy, rows ending at different steps."""
+    _, tok = tiny
+    model = _model(tok, "qwen2")
+    prompts = _prompts(tok, 2)
+    for kw in (dict(do_sample=True, row_seeds=_seeds(2, 4), temperature=1.3, top_p=0.9), dict(do_sample=False)):
+        kw = dict(kw, max_new_tokens=12, num_return_sequences=4)
+        compiled = generate(model, tok, prompts, cuda_graphs=True, compile_decode=True, **kw)
+        assert static_decode._DECODERS[model].shape.compiled
+        _same(compiled, generate(model, tok, prompts, **kw), atol=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/gpu_checklist.sh runs this)")
 def test_cuda_graphs_replay_what_the_step_computes_eagerly():
     """On a GPU: the captured graphs (one per bucket) give the dynamic loop's completions, are captured once
@@ -126,6 +139,9 @@ def test_cuda_graphs_replay_what_the_step_computes_eagerly():
     assert static_decode._DECODERS[mixed].graphs
     same = sum(a == b for a, b in zip(graphed.completion_ids, generate(mixed, tok, prompts, **kw).completion_ids))
     assert same >= 0.8 * len(graphed.completion_ids)  # (bf16: the two attention layouts round differently)
+    fused = generate(model, tok, prompts, cuda_graphs=True, compile_decode=True, **kw)  # (compiled, then captured)
+    assert static_decode._DECODERS[model].shape.compiled and static_decode._DECODERS[model].graphs
+    _same(fused, again, atol=1e-4)
 
 
 def test_the_gpu_checklist_reports_each_stage_and_refuses_unknown_ones(tmp_path):

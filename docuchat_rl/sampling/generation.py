@@ -221,18 +221,20 @@ class _ModelSteps:
 
 def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
                 processors, stop, pad, uniforms=None, lockstep=None,
-                grouped: bool = True, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                grouped: bool = True, static: bool = False, compiled: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
     and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
     while any process still has a row to finish. `grouped`: decode with `grouped_decode.GroupedSteps`
-    where the model is one it covers; `static`: with `static_decode.static_chunk` (CUDA graphs on a GPU)."""
+    where the model is one it covers; `static`: with `static_decode.static_chunk` (CUDA graphs on a GPU),
+    its step compiled by torch.compile when `compiled`."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=True, logits_to_keep=1)
     if static and lockstep is None and supports(model, cache_of(out)):
         return static_chunk(model, cache_of(out), out.logits[:, -1], attention_mask, repeats=repeats,
                             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
                             processors=processors, stop=stop, pad=pad, uniforms=uniforms, sample=sample,
-                            done_check_every=DONE_CHECK_EVERY)
+                            done_check_every=DONE_CHECK_EVERY, compiled=compiled)
     kind = GroupedSteps if grouped and lockstep is None and supports(model, cache_of(out)) else _ModelSteps
     decode = kind(model, cache_of(out), attention_mask, repeats, max_new_tokens)
     logits = out.logits[:, -1].repeat_interleave(repeats, 0)  # [R, V]
@@ -302,7 +304,7 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
              row_seeds: list[int] | None = None, lockstep=None, grouped_decode: bool = True,
-             cuda_graphs: bool = False) -> Generation:
+             cuda_graphs: bool = False, compile_decode: bool = False) -> Generation:
     """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
     `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only temperature, top-k and
     top-p shape the distribution, whatever the model's generation_config says. With `row_seeds` (one per
@@ -316,7 +318,8 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
     covers with its step, which reads each prompt's keys/values once for its G rows. `cuda_graphs` (fast
     engine): decode those models at static shapes (static_decode.py), replayed as CUDA graphs on a GPU;
     there, a model they do not cover samples through transformers.generate (the hf engine), since our
-    dynamic loop is launch-bound on a GPU (2.5-2.7x slower than generate on one H100: docs/performance.md)."""
+    dynamic loop is launch-bound on a GPU (2.5-2.7x slower than generate on one H100: docs/performance.md).
+    `compile_decode` (with cuda_graphs): that static step compiled by torch.compile."""
     if engine not in ("fast", "hf", "vllm"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf, vllm")
     if engine == "vllm":  # a vLLM engine (vllm_engine.py) serves training rollouts only: evaluation, generate
@@ -358,7 +361,7 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                      do_sample=do_sample, processors=processors, stop=stop, pad=pad,
                                      uniforms=uniforms, lockstep=lockstep, grouped=grouped_decode,
-                                     static=cuda_graphs)
+                                     static=cuda_graphs, compiled=compile_decode)
         else:
             new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
                                    min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,

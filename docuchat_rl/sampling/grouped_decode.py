@@ -25,22 +25,12 @@ hooks gather a layer's weights in its forward, which this step does not call).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..modeling import base_model
 
 # decoder layers with exactly Llama's structure and rotary/attention conventions (checked in `supports`)
 LLAMA_LIKE = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
-
-
-@functools.cache
-def _rotate_half():
-    """The models' own rotate_half (the same function in each covered model)."""
-    from transformers.models.llama.modeling_llama import rotate_half
-
-    return rotate_half
 
 
 def rotary_qkv(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, per_kv: int):
@@ -51,7 +41,10 @@ def rotary_qkv(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     q = attn.q_proj(h).view(r, -1, per_kv, head_dim)  # [r, KV, n, D]
     k = attn.k_proj(h).view(r, -1, 1, head_dim)  # [r, KV, 1, D]
     v = attn.v_proj(h).view(r, -1, 1, head_dim)
-    rotate_half = _rotate_half()
+    # the models' own rotate_half (the same function in each covered model); imported here, not cached in
+    # a functools wrapper, which torch.compile (rollout.compile_decode) traces through with a warning
+    from transformers.models.llama.modeling_llama import rotate_half
+
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
 
 

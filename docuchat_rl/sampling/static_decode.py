@@ -26,11 +26,15 @@ Covers the models `grouped_decode.supports` covers (Llama-like decoder layers, f
 weights); others decode through the dynamic loop, or on a GPU through transformers.generate
 (generation.engine_on). Deliberately left out: the grouped step's one copy of a
 prompt's keys per group (here each row holds its prompt's keys: simpler to keep static; the grouped
-layout is the next step if attention shows in the GPU profile: it did not, 2% of a token), torch.compile
-(not built yet: a graph removes the launches but not the kernels, and the H200 profile of this step,
-docs/performance.md round 3, has 1,177 kernels a token, 47% of its time in unfused elementwise work, where
-compiling the step inside the same graphs is the next lever), and graphs of the prefill (one call per
-chunk, not launch-bound).
+layout is the next step if attention shows in the GPU profile: it did not, 2% of a token), and graphs of
+the prefill (one call per chunk, not launch-bound).
+
+`rollout.compile_decode` runs the step through torch.compile, captured in the same graphs: a graph removes
+the launches but not the kernels, and the H200 profile of this step (docs/performance.md, round 3) has
+1,177 kernels a token, 47% of its GPU time in small elementwise kernels that inductor fuses. A compilation
+costs seconds to minutes, once per row bucket and buffer shape: evaluation's shapes compile once more, and
+a decoder rebuilt at shapes already compiled reuses that code (dynamo guards on the tensors' shapes, not
+on which decoder holds them: measured on a CPU). Off until a GPU measures it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class Shape:
     sampling: tuple  # do_sample, processors' settings, min_new_tokens, stop ids, pad id
     device: str
     dtype: torch.dtype  # the keys/values' dtype
+    compiled: bool = False  # the step through torch.compile (rollout.compile_decode)
 
 
 def _weights_key(model) -> tuple:
@@ -115,6 +120,17 @@ class StaticDecoder:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.weights = _weights_key(model)
         self.graphed = dev.type == "cuda"
+        # torch.compile's version of the step: fused kernels (inductor), the same graph capture around them.
+        # One compilation per row bucket and shape (b is a Python int, so each bucket's shapes are static); the
+        # first call compiles, so on a GPU it happens in the capture's warm-up steps, never under capture.
+        self._step = self.step
+        if shape.compiled:
+            import torch._dynamo.config as dynamo
+
+            # every bucket and shape is a compilation of this one function: past dynamo's default of 8 it
+            # would run the step eagerly again, saying so only in a warning
+            dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
+            self._step = torch.compile(self.step, dynamic=False)
 
     # ---- the step: fixed shapes, no host reads, every output written into the buffers ----
 
@@ -166,7 +182,7 @@ class StaticDecoder:
     def run(self, b: int) -> None:
         """One step over bucket b: the bucket's graph replayed on a GPU (captured at first use), else eagerly."""
         if not self.graphed:
-            self.step(b)
+            self._step(b)
             return
         graph = self.graphs.get(b)
         if graph is None:
@@ -183,11 +199,11 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), _uncached_autocast():
             for _ in range(2):
-                self.step(b)
+                self._step(b)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph), _uncached_autocast():  # (a private memory pool per bucket's graph)
-            self.step(b)
+            self._step(b)
         self.tokens_in[:b].copy_(saved[0])
         self.done[:b].copy_(saved[1])
         self.t.copy_(saved[2])
@@ -222,11 +238,12 @@ def decoder_for(model, shape: Shape, **settings) -> StaticDecoder:
 
 def static_chunk(model, prefill_cache, first_logits: torch.Tensor, attention_mask: torch.Tensor, *, repeats: int,
                  max_new_tokens: int, min_new_tokens: int, do_sample: bool, processors: list, stop: list[int],
-                 pad: int, uniforms: torch.Tensor | None, sample, done_check_every: int
+                 pad: int, uniforms: torch.Tensor | None, sample, done_check_every: int, compiled: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """`generation._fast_chunk`'s decode at static shapes: completion ids and log-probs [U * repeats, steps]
     after the prefill (its cache and last logits [U, V]). `sample` is generation.sample, for the first token
-    (drawn from the prefill's logits, outside the graph, as the dynamic loop draws it)."""
+    (drawn from the prefill's logits, outside the graph, as the dynamic loop draws it); `compiled`: the step
+    through torch.compile."""
     u, lp = attention_mask.shape
     rows, n, device = u * repeats, max_new_tokens, attention_mask.device
     compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
@@ -237,7 +254,7 @@ def static_chunk(model, prefill_cache, first_logits: torch.Tensor, attention_mas
     prompt = max(-(-lp // PROMPT_BUCKET) * PROMPT_BUCKET, current.shape.prompt if current is not None else 0)
     sampling = (do_sample, tuple((type(p).__name__, tuple(sorted(vars(p).items()))) for p in processors),
                 min_new_tokens, tuple(stop), pad)
-    shape = Shape(rows_cap, prompt, n, sampling, str(device), dtype)
+    shape = Shape(rows_cap, prompt, n, sampling, str(device), dtype, compiled)
     dec = decoder_for(model, shape, processors=processors, min_new_tokens=min_new_tokens, stop=stop, pad=pad,
                       do_sample=do_sample)
 

@@ -115,7 +115,7 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
     """Greedy completions (and k samples each for pass@k) of `examples`, the rows `first`, first + 1, ...
     of the held-out set, scored."""
     e, r, acc_name = cfg.eval, cfg.rollout, cfg.rewards.accuracy_component
-    multiturn = multiturn_from_config(cfg, tokenizer, max_new, group_size=1)
+    multiturn = multiturn_from_config(cfg, tokenizer, max_new, group_size=1, stop_ids=eos_ids(model, tokenizer))
     prompts = [multiturn.prompt_text(x) if multiturn else
                render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages, cfg.data.few_shot_turns)
                for x in examples]
@@ -127,7 +127,7 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
         with merged():
             return generate(model, tokenizer, texts, max_new_tokens=n, do_sample=False, batch_size=e.batch_size,
                             engine=r.engine, grouped_decode=r.grouped_decode, cuda_graphs=r.cuda_graphs,
-                            lockstep=lockstep)
+                            compile_decode=r.compile_decode, lockstep=lockstep)
 
     if multiturn is not None:  # the tool loop, greedy (a turn's seed draws nothing)
         gen = multiturn.sample(list(range(len(examples))), examples, [0] * len(examples), lambda _: greedy(prompts),
@@ -151,7 +151,8 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
                 return generate(model, tokenizer, texts, max_new_tokens=n, do_sample=True, temperature=r.temperature,
                                 top_p=r.top_p, top_k=r.top_k, batch_size=e.batch_size,
                                 num_return_sequences=per_prompt, engine=r.engine, grouped_decode=r.grouped_decode,
-                                cuda_graphs=r.cuda_graphs, row_seeds=row_seeds, lockstep=lockstep)
+                                cuda_graphs=r.cuda_graphs, compile_decode=r.compile_decode, row_seeds=row_seeds,
+                                lockstep=lockstep)
 
         with torch.random.fork_rng():  # eval must not shift the training run's random stream
             if multiturn is not None:  # k conversations a prompt, each turn from its own seed
