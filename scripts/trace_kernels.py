@@ -20,7 +20,7 @@ import json
 import statistics
 from collections import Counter, defaultdict
 
-MATMUL = ("nvjet", "gemm", "splitK", "cutlass", "xmma")
+MATMUL = ("nvjet", "gemm", "splitK", "cutlass", "xmma", "triton_tem")  # cuBLAS, CUTLASS, inductor's templates
 
 
 def kind(name: str) -> str:
