@@ -50,13 +50,15 @@ def main() -> None:
     frequent = [n for n, c in launches.items() if c >= args.min_launches]
     marker = max(frequent, key=lambda n: total[n] / launches[n])
     at = [i for i, e in enumerate(kernels) if e["name"] == marker]
-    steps = [kernels[a + 1:b + 1] for a, b in zip(at, at[1:])]
-    steps = steps[len(steps) // 10: len(steps) - len(steps) // 10] or steps  # the middle: no warm-up, no tail
+    pairs = list(zip(at, at[1:]))
+    pairs = pairs[len(pairs) // 10: len(pairs) - len(pairs) // 10] or pairs  # the middle: no warm-up, no tail
+    steps = [kernels[a + 1:b + 1] for a, b in pairs]  # each step: after one marker, up to the next one
     print(f"{args.trace}: {len(kernels)} kernels; token steps between launches of {marker[:70]}... "
           f"({len(at)} launches, {total[marker] / launches[marker]:.1f} us each); {len(steps)} steps read")
     count = statistics.median(len(s) for s in steps)
     busy = statistics.median(sum(e["dur"] for e in s) for s in steps)
-    span = statistics.median(s[-1]["ts"] + s[-1]["dur"] - s[0]["ts"] for s in steps)
+    end = [e["ts"] + e["dur"] for e in kernels]
+    span = statistics.median(end[b] - end[a] for a, b in pairs)  # (the gap after the marker included)
     print(f"a token step: {count:.0f} kernels, {busy / 1e3:.2f} ms GPU-busy in a {span / 1e3:.2f} ms span "
           f"({(span - busy) / 1e3:.2f} ms of gaps, {(span - busy) / count:.2f} us a kernel)")
     per_kind, per_count = defaultdict(float), defaultdict(float)
