@@ -540,8 +540,10 @@ class Config(Section):
         engine = pick(r.engine, "fast", "fast" if graphs else "hf")  # (graphs are the fast loop's)
         if r.compile_decode and not graphs:
             raise ConfigError(f"rollout.compile_decode compiles the static decode step, and rollout.cuda_graphs "
-                              f"auto is off on {device_type}: set rollout.cuda_graphs=true with it (on a CPU the "
-                              "step then runs compiled, without graphs)")
+                              f"auto is off on {device_type}" + (" with rollout.sharded_generation (whose lockstep "
+                              "decode has no static step)" if r.sharded_generation else ": set "
+                              "rollout.cuda_graphs=true with it (on a CPU the step then runs compiled, without "
+                              "graphs)"))
         rollout = r.model_copy(update={  # (grouped decode is the fast loop's: never on under the hf engine)
             "engine": engine, "cuda_graphs": graphs, "grouped_decode": pick(r.grouped_decode, engine != "hf", False),
             "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, not r.sharded_generation),

@@ -207,6 +207,10 @@ def test_auto_switches_are_decided_per_device_and_explicit_values_win():
     assert compiled.for_device("cuda").rollout.cuda_graphs is True  # (auto graphs on a GPU: the step it compiles)
     with pytest.raises(ConfigError, match="rollout.compile_decode .* auto is off on cpu: set rollout.cuda_graphs=true"):
         compiled.for_device("cpu")
+    sharded = load_config(ROOT / "config/default.yaml",
+                          ["rollout.compile_decode=true", "rollout.sharded_generation=true"])
+    with pytest.raises(ConfigError, match="off on cuda with rollout.sharded_generation"):
+        sharded.for_device("cuda")
     for override in ("rollout.cuda_graphs=false", "rollout.engine=hf"):
         with pytest.raises(ValueError, match="rollout.compile_decode compiles the static decode step: it needs"):
             load_config(ROOT / "config/default.yaml", ["rollout.compile_decode=true", override])

@@ -384,3 +384,23 @@ def test_export_of_an_adapted_tied_embedding_equals_base_plus_adapter(tmp_path):
         got = merged(ids).logits
     assert (got - want).abs().max() < 1e-4
     assert not merged.config.tie_word_embeddings
+
+
+def test_generate_samples_through_the_recipes_static_decode_when_cuda_graphs_is_set(tmp_path):
+    """`generate` and `chat` decode as the run does: rollout.cuda_graphs (auto: on on GPUs) reaches them, so on
+    a GPU they replay the graphs; on a CPU, set, the static step runs eagerly, the same greedy completions."""
+    from docuchat_rl.config import load_config
+    from docuchat_rl.data import load_split
+    from docuchat_rl.sampling import static_decode
+    from docuchat_rl.tools.inference import load_policy, sample_records
+
+    plain = load_config(ROOT / "config/default.yaml")
+    model, tok = load_policy(plain.model, None)
+    examples = load_split(plain.data, "test", 4)
+    before = sample_records(model, tok, plain, examples, max_new_tokens=16)
+    assert model not in static_decode._DECODERS
+    graphs = load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=true"])
+    after = sample_records(model, tok, graphs, examples, max_new_tokens=16)
+    assert model in static_decode._DECODERS  # (the static step ran)
+    assert [r["completion"] for r in after] == [r["completion"] for r in before]
+

@@ -105,14 +105,18 @@ def test_models_the_static_step_does_not_cover_decode_as_before(tiny):
 def test_the_compiled_static_step_samples_what_the_fast_loop_samples(tiny):
     """rollout.compile_decode: the step through torch.compile (inductor's fused kernels; on a CPU, C++) gives the
     dynamic loop's completions and log-probs, sampled and greedy, rows ending at different steps."""
+    from torch._dynamo.utils import counters
+
     _, tok = tiny
     model = _model(tok, "qwen2")
     prompts = _prompts(tok, 2)
+    traced = counters["stats"]["unique_graphs"]
     for kw in (dict(do_sample=True, row_seeds=_seeds(2, 4), temperature=1.3, top_p=0.9), dict(do_sample=False)):
         kw = dict(kw, max_new_tokens=12, num_return_sequences=4)
         compiled = generate(model, tok, prompts, cuda_graphs=True, compile_decode=True, **kw)
         assert static_decode._DECODERS[model].shape.compiled
         _same(compiled, generate(model, tok, prompts, **kw), atol=1e-4)
+    assert counters["stats"]["unique_graphs"] > traced  # (dynamo compiled the step: it did not run it eagerly)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (scripts/gpu_checklist.sh runs this)")
