@@ -92,7 +92,10 @@ def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int, dist=N
             dist.barrier()
         if main:
             _seal(tmp)
-    except (OSError, RuntimeError) as e:  # a full disk: torch's serializer reports it as a RuntimeError
+    except Exception as e:  # noqa: BLE001 (a full disk: the OS's OSError, torch's serializer's RuntimeError,
+        # safetensors' SafetensorError, a writer's own; whatever writes a file, a failed write is one line)
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # (a half-written folder is no checkpoint: nothing left to mislead)
         first = _why_not_written(e, out_dir)
         left = ("the previous checkpoint and `latest` are intact" if (out_dir / LATEST).exists() else
                 "no earlier checkpoint exists")

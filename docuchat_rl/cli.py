@@ -358,6 +358,7 @@ def cmd_generate(args) -> int:
               file=sys.stderr)
         return 2
     examples = _examples(args, cfg)
+    _single_turn_only(cfg, "generate")
     model, tok = load_policy(cfg.model, args.adapter)
     reward = build_reward(cfg.rewards) if args.score else None
     kw = dict(n=args.n, max_new_tokens=args.max_new_tokens or cfg.eval.max_new_tokens, reward=reward,
@@ -385,6 +386,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _single_turn_only(cfg, command: str) -> None:
+    """Say (one warning line) that `command` answers in one turn when the recipe sets tools or an
+    environment: it calls no tool (`eval` runs the tool loop)."""
+    if cfg.rollout.multi_turn:
+        print(f"docuchat-rl: warning: {command} answers in one turn and calls no tool: the recipe's "
+              "rollout.tools / rollout.environment_factory are not used here (docuchat-rl eval runs the tool loop)",
+              file=sys.stderr)
+
+
 def cmd_chat(args) -> int:
     """A multi-turn conversation with the base model or a checkpoint on the console."""
     from .tools.inference import chat, load_policy
@@ -396,6 +406,7 @@ def cmd_chat(args) -> int:
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 read as surrogates, which chat refuses per
         sys.stdin.reconfigure(errors="surrogateescape")  # line (a decoding error would lose the rest of the input)
     cfg = _config_for(args)
+    _single_turn_only(cfg, "chat")
     model, tok = load_policy(cfg.model, args.adapter)
     s = _sampling(args, cfg.rollout)
 
@@ -542,6 +553,8 @@ def cmd_rescore(args) -> int:
         console.print(table)
     console.print(f"{len(result.changed)} of {len(result.lines)} completions would be judged differently"
                   + ("" if result.advantages else " (advantages not recomputed: this algorithm's need its critic)")
+                  + "".join(f"; {name}: the traced scores kept (it cannot be rescored: the run's environment "
+                            "instances are gone)" for name in result.kept)
                   + (f"; wrote {args.out}" if args.out else ""))
     return 0
 

@@ -340,7 +340,7 @@ class OptimConfig(Section):
     micro_batch_size: int = Field(64, ge=1)
     """Completions per forward/backward; gradients accumulate up to minibatch_size."""
     share_prompt: Switch = AUTO
-    """Run a group's prompt once per micro-batch and reuse its keys/values for the G completions (same gradients); auto: on on CPUs, off on GPUs (measured on 2 CPU cores; it lost on one H100: docs/performance.md)."""
+    """Run each distinct prompt once per micro-batch and reuse its keys/values for the completions that have it (same gradients; rows are matched by their prompt tokens, so per-row observations are safe); auto: on on CPUs, off on GPUs (measured on 2 CPU cores; it lost on one H100: docs/performance.md)."""
     length_buckets: CountOrAuto = AUTO
     """Split a micro-batch into up to this many forwards by completion length, each padded to its own longest (same numbers; off under FSDP2); auto: 4 on CPUs, 1 on GPUs (measured on CPUs only)."""
     logit_chunk: int | None = Field(None, ge=0)

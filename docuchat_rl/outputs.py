@@ -63,7 +63,8 @@ def claim_output_dir(out_dir: Path, overwrite: bool, resuming: Path | None = Non
             raise ValueError(f"run.output_dir {out_dir} already holds another run ({names}); resuming "
                              f"{resuming} there would cut its files: choose a new run.output_dir (the resumed run "
                              f"copies {resuming.parent.name}'s traces and metrics up to that checkpoint into it)")
-        resumable = any(p.name.startswith("checkpoint-") for p in found) or (out_dir / "latest").exists()
+        resumable = any(p.name.startswith("checkpoint-") and not p.name.endswith(".tmp") for p in found) or \
+            (out_dir / "latest").exists()
         how = ("continue it with --resume latest, choose" if resumable else
                "it has no checkpoint to resume from: choose")
         raise ValueError(f"run.output_dir {out_dir} already holds a run ({names}): {how} another run.output_dir, "
@@ -128,6 +129,9 @@ def check_new_file(path: str | Path, flag: str) -> Path:
             path.resolve().parent.name.startswith("checkpoint-"):
         raise FileExistsError(f"{flag} {path} is a file of the training run in {path.parent}: write the output "
                               "beside the run, under another name")
+    if path.is_symlink() and not path.exists():  # (a dangling link: writing it would create its target elsewhere)
+        raise FileExistsError(f"{flag} {path} is a symbolic link to {os.readlink(path)}, which does not exist: "
+                              "give a new file name (nothing is written through a link)")
     if path.exists():
         raise FileExistsError(f"{flag} {path} already exists: give a new file name (nothing is overwritten)")
     return path

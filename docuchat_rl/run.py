@@ -294,7 +294,8 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     place.accelerator.register_load_state_pre_hook(lambda models, d: models.clear())
 
     try:
-        multiturn = multiturn_from_config(cfg, tokenizer, stop_ids=eos_ids(model, tokenizer))
+        multiturn = multiturn_from_config(cfg, tokenizer, stop_ids=eos_ids(model, tokenizer),
+                                          context_len=getattr(model.config, "max_position_embeddings", None))
     except ToolError as e:
         raise TrainingError(str(e)) from None
     prompt_texts = [multiturn.prompt_text(e) if multiturn else

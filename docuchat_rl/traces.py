@@ -65,6 +65,9 @@ class TraceRecord:
                                           "model_tokens, calls (name, arguments, result, error, result_tokens, "
                                           "truncated, seconds), env_tokens and how it ended; null when single-turn",
                                   None)
+    observation: str | None = _f("VARCHAR", "multi-turn: the environment's first observation as appended to the "
+                                            "prompt (cut to data.max_prompt_tokens, said in its text); null when "
+                                            "none", None)
     algorithm: dict[str, float | None] = field(default_factory=dict)  # the algorithm's per-row values
     # (Algorithm.trace_fields: ALGORITHM_FIELDS below), None on rows not trained on; flattened into the JSON
 
@@ -74,6 +77,9 @@ class TraceRecord:
         out.update(self.algorithm)
         return out
 
+
+NOT_RUN = ("max_turns", "max_tool_calls", "max_new_tokens")  # a traced call's errors when a limit kept it from
+# running (sampling/multiturn.py): neither a success nor the tool's failure
 
 ALGORITHM_FIELDS = {  # what Algorithm.trace_fields may give: name -> (DuckDB type, doc)
     "advantage": ("DOUBLE", "the completion's advantage (mean over its tokens); null when not used"),
@@ -178,6 +184,9 @@ def step_metrics(records: list[TraceRecord], names: list[str], accuracy_componen
     for name in names:
         m[f"rewards/{name}/mean"] = means[name]
         m[f"rewards/{name}/errors"] = sum(r.rewards[name]["error"] is not None for r in records)
+        nans = sum(bool((r.rewards[name].get("info") or {}).get("nan")) for r in records)
+        if nans:  # (a NaN is "no value", as in TRL: counted, so that it is never silent)
+            m[f"rewards/{name}/nan"] = nans
     if accuracy_component in names:
         m["accuracy"] = means[accuracy_component]
     m.update({"completion_len/mean": float(lengths.mean()), "completion_len/max": int(lengths.max()),
@@ -185,11 +194,12 @@ def step_metrics(records: list[TraceRecord], names: list[str], accuracy_componen
               "reward_missing": sum(r.total_missing for r in records)})
     if any(r.turns is not None for r in records):  # multi-turn: how the model used its tools this step
         calls = [[c for t in r.turns or [] for c in t["calls"]] for r in records]
-        n = sum(map(len, calls))
+        ran = [c for cs in calls for c in cs if c["error"] not in NOT_RUN]  # (a call a limit kept from running
+        # is neither a success nor the tool's failure)
         m.update({"turns/mean": float(np.mean([len(r.turns or []) for r in records])),
                   "tool_calls/mean": float(np.mean([len(c) for c in calls])),
                   "tool_call_rate": float(np.mean([bool(c) for c in calls])),
-                  "tool_call_ok_frac": sum(c["error"] is None for cs in calls for c in cs) / n if n else None,
+                  "tool_call_ok_frac": sum(c["error"] is None for c in ran) / len(ran) if ran else None,
                   "tool_tokens/mean": float(np.mean([sum(t["env_tokens"] for t in r.turns or []) for r in records]))})
     return m
 

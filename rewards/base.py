@@ -37,11 +37,18 @@ class Score:
 
 
 def text_of(item: Any) -> str:
-    """Plain text of a prompt or completion, in either TRL form: a string or a list of chat messages."""
+    """Plain text of a prompt or completion, in either TRL form: a string or a list of chat messages. Of a
+    message list, the last message that is not a tool's: a tool's output is never the text a reward scores
+    (a conversation cut right after a call must not be scored on what the tool returned).
+
+    >>> text_of([{"role": "assistant", "content": "<tool_call>...</tool_call>"}, {"role": "tool", "content": "42"}])
+    '<tool_call>...</tool_call>'
+    """
     if isinstance(item, str):
         return item
     if isinstance(item, list) and item and isinstance(item[-1], dict):
-        return str(item[-1].get("content", ""))
+        own = [m for m in item if isinstance(m, dict) and m.get("role") != "tool"]
+        return str(own[-1].get("content", "")) if own else ""
     if isinstance(item, dict):
         return str(item.get("content", ""))
     return "" if item is None else str(item)

@@ -12,7 +12,8 @@ value per completion, into that completion's `info` for this component) and `log
 into nothing.
 
 A failure is any of: the call raised, returned a non-list or the wrong number of values, returned a
-non-number, NaN or inf (that completion only), or ran past `timeout_s`. It is recorded in the
+non-number or inf (that completion only), or ran past `timeout_s`. A NaN is "no value", as in TRL's nansum,
+but never silent: the component's `info` says `nan: true` and the step's metrics count it. It is recorded in the
 component's `error` field and counted in `errors[name]`; with `strict=True` it raises `RewardFailure`
 at once instead.
 
@@ -286,8 +287,9 @@ class CompositeReward:
                         value = as_number(raw)
                         if value is None:
                             error, raw = f"returned {type(raw).__name__} {str(raw)[:40]!r}, expected a number", None
-                        elif math.isnan(value):  # (TRL sums rewards with nansum: NaN is "no value", as None)
-                            raw = None
+                        elif math.isnan(value):  # (TRL sums rewards with nansum: NaN is "no value", as None;
+                            # said in the trace and counted as rewards/{name}/nan, never silent)
+                            raw, info = None, {**info, "nan": True}
                         elif not math.isfinite(value):
                             error, raw = f"returned a non-finite value {value}", None
                         else:

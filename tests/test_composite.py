@@ -75,7 +75,8 @@ def test_nan_is_no_value_as_in_trl_and_infinity_fails_only_its_completion():
     name = "tests.user_rewards:not_finite"
     assert res.errors[name] == 1
     assert [r.components[name].raw for r in res.records] == [None, None, 1.0]
-    assert res.records[0].components[name].error is None  # NaN: no value, no error
+    assert res.records[0].components[name].error is None  # NaN: no value, no error, but said
+    assert res.records[0].components[name].info == {"nan": True} and "nan" not in res.records[2].components[name].info
     assert "non-finite" in res.records[1].components[name].error
     assert res.records[0].total_missing and not res.records[2].total_missing
 

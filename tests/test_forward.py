@@ -119,11 +119,24 @@ def test_shared_prompt_forward_equals_the_plain_forward_values_hidden_and_gradie
         pm.unload()  # give the session's model back without adapters
 
 
-def test_shared_prompt_forward_skips_itself_when_no_group_repeats(tiny):
-    from docuchat_rl.learning.forward import _shared_prompt_forward
+def test_shared_prompt_forward_matches_rows_by_their_prompt_tokens_not_their_group(tiny):
+    """A group whose rows have different prompts (an environment's per-row first observation) runs each
+    row's own prompt; two groups with one prompt share it; either way the numbers are the plain forward's."""
+    from docuchat_rl.learning.forward import _shared_prompt_forward, policy_forward
 
     model, tok = tiny
-    assert _shared_prompt_forward(model, _group_batch(tok, [0, 1, 2])) is None
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in _prompts(tok)]
+    comp = tok("<answer>7</answer>", add_special_tokens=False)["input_ids"]
+    own = build_batch([prompts[0], prompts[1], prompts[0] + comp[:1]], [comp] * 3, [0.0] * 3, [0, 0, 0],
+                      tok.pad_token_id)  # one group, three prompts
+    assert own.info.prompts == (0, 1, 2) and _shared_prompt_forward(model, own) is None
+    across = _group_batch(tok, [0, 1, 2])  # groups 0 and 2 have the same prompt
+    assert across.info.prompts[0] == across.info.prompts[2] != across.info.prompts[1]
+    with torch.no_grad():
+        for batch in (own, across):
+            plain, shared = (policy_forward(model, batch, share_prompt=s) for s in (False, True))
+            m = batch.completion_mask.bool()
+            assert torch.allclose(plain.logps[m], shared.logps[m], atol=1e-5)
     with torch.no_grad():
         shared = _shared_prompt_forward(model, _group_batch(tok, [0, 0, 1]))  # one part: hidden states [R, T, H]
     assert shared is not None and len(shared) == 1 and shared[0].shape[0] == 3

@@ -248,11 +248,16 @@ def test_turn_and_call_limits_hold(taught):
     assert all(len(t) == 1 for t in none.turns)
     called = [c for t in none.turns for c in t[0].calls]
     assert called and all(c.error == "max_tool_calls" for c in called if c.name)
-    _, _, cut = _conversations(taught, TurnLimits(192, 3, 8, 5.0, 2))  # results cut to 2 tokens, said so
+    s, _, cut = _conversations(taught, TurnLimits(192, 3, 8, 5.0, 2))  # results cut to 2 tokens, said so
     shown = [c for t in cut.turns for turn in t if turn.ended == "tools" for c in turn.calls]
-    assert shown and all(c.result_tokens <= 2 for c in shown)
-    assert any(c.truncated for c in shown) and any("[truncated:" in m["content"] for conv in cut.conversations
-                                                   for m in conv if m["role"] == "tool")
+    assert shown and any(c.truncated for c in shown)
+    for c in shown:  # the call keeps the text as inserted, and counts its tokens, the note included
+        assert c.result_tokens == len(s.tok(c.result, add_special_tokens=False)["input_ids"])
+        kept = c.result.split("\n[truncated: ")[0]
+        assert len(s.tok(kept, add_special_tokens=False)["input_ids"]) <= 2 or not c.truncated
+    inserted = [m["content"] for conv in cut.conversations for m in conv if m["role"] == "tool"]
+    assert any("[truncated:" in m for m in inserted)
+    assert sorted(inserted) == sorted(c.result for c in shown)
 
 
 def _tool_run(tmp_path, taught, *extra):
@@ -400,3 +405,126 @@ def test_actor_critic_advantages_skip_tool_tokens(algo):
     assert torch.allclose(multi.returns[0, keep], cut.returns[0])
     assert torch.equal(multi.advantages[0, 2:5], torch.zeros(3))
     assert torch.allclose(multi.advantages[1, :2], cut.advantages[1, :2])
+
+
+# ----------------------------------------------------------------- round 4: right numbers with tools (issue 55)
+
+
+def _cli_train(out, taught, *sets):
+    args = [sys.executable, "-m", "docuchat_rl", "train", "--config", str(ROOT / "config" / "default.yaml")]
+    for s in ["rollout.prompts_per_step=2", "rollout.num_generations=4", "logging.progress=false",
+              "eval.before_and_after=false", f"model.name_or_path={taught}", "rollout.tool_protocol=text",
+              f"run.output_dir={out}", *sets]:
+        args += ["--set", s]
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.slow
+def test_a_completion_cut_before_its_tool_results_are_shown_is_scored_as_cut_never_on_the_tools_text(tmp_path, taught):
+    """The tool hands the model the gold answer; the completion's room (105 tokens: the 61-token call, the
+    43 tokens of empty results' framing and one more) runs the call but cannot show its result. Scored on
+    the tool's text, every such completion would be right (the reward hack); scored as cut, none is, and
+    rescoring the traces agrees with training."""
+    out = tmp_path / "run"
+    _cli_train(out, taught, "rollout.max_new_tokens=105", "rollout.environment_factory=tests.tool_envs.Oracle",
+               "run.steps=1", "rewards=[{name: correctness}, {name: environment, weight: 0.1}]")
+    lines = read_jsonl(out / "traces.jsonl")
+    cut = [r for r in lines if r["turns"][-1]["ended"] == "max_new_tokens"]
+    assert cut, [r["turns"][-1]["ended"] for r in lines]
+    for r in cut:
+        last = r["turns"][-1]
+        assert r["truncated"] and last["env_tokens"] == 0 and last["calls"]
+        assert r["rewards"]["correctness"]["raw"] == 0.0, r["rewards"]["correctness"]
+        assert r["completion_tokens"] == sum(t["model_tokens"] + t["env_tokens"] for t in r["turns"])
+    ran = [c for r in cut for c in r["turns"][-1]["calls"] if c["error"] is None]
+    assert ran and all(c["result"].startswith("<answer>") for c in ran)  # (they ran: the result was never shown)
+    from docuchat_rl.tools.replay import rescore
+
+    again = rescore(out)
+    assert again.changed == [] and again.kept == ["environment"]
+    assert [r["rewards"]["environment"] for r in again.lines] == [r["rewards"]["environment"] for r in lines]
+
+
+def test_the_shared_prompt_scores_each_rows_own_observation(tmp_path, taught):
+    """An environment whose first observation differs per row (a random start): with the shared prompt on,
+    the second epoch's old log-probs (the no-grad pass) equal the sampler's, as with it off."""
+    from .conftest import train_here
+
+    mismatch = {}
+    for share in (True, False):
+        out = tmp_path / str(share)
+        train_here(ROOT / "config" / "default.yaml", [
+            "rollout.prompts_per_step=2", "rollout.num_generations=4", "logging.progress=false",
+            "eval.before_and_after=false", f"model.name_or_path={taught}", "rollout.tool_protocol=text",
+            "rollout.max_new_tokens=192", "rollout.environment_factory=tests.tool_envs.RandomStart",
+            "rewards=[{name: correctness}, {name: environment}]", "algorithm.num_iterations=2", "run.steps=1",
+            f"optim.share_prompt={str(share).lower()}", f"run.output_dir={out}"])
+        (m,) = read_jsonl(out / "metrics.jsonl")
+        mismatch[share] = m["sampler/mismatch_max"]
+        prompts = {r["observation"] for r in read_jsonl(out / "traces.jsonl")}
+        assert len(prompts) == 8, prompts  # (each row its own start)
+    assert mismatch[True] < 1e-3 and mismatch[False] < 1e-3, mismatch
+
+
+def test_what_tools_and_environments_return_is_cut_before_it_is_tokenised_and_traced_as_cut(taught):
+    """30 KB from reset and 12 MB from a tool: the prompt is cut to data.max_prompt_tokens, the result to
+    rollout.max_tool_result_tokens, each saying so; the call keeps the text as inserted (a bounded trace)."""
+    from docuchat_rl.sampling.multiturn import MultiTurn, _observed
+
+    s = _Sampler(taught, 192)
+    source = ToolSource.load([], "tests.tool_envs.Flood")
+    p = Protocol(s.tok, source.schemas, "text")
+    from docuchat_rl.data import load_split
+
+    examples = load_split(s.cfg.data, "train")[:2]
+    mt = MultiTurn(source, p, TurnLimits(192, 3, 8, 5.0, 16), group_size=4, max_prompt_tokens=300)
+    t0 = time.perf_counter()
+    gen = mt.sample([0, 1], examples, list(range(8)), None, s.more)
+    assert time.perf_counter() - t0 < 60
+    assert all(len(ids) <= 300 for ids in gen.prompt_ids)
+    assert all("[observation truncated: " in o and o.endswith("tokens kept of 36000 characters]")
+               for o in gen.observations)
+    assert gen.prompt_ids[0] == s.tok(mt.render(_observed(mt.turns(examples[0]), gen.observations[0])),
+                                      add_special_tokens=False)["input_ids"]
+    assert all(r.get("answer", "").count("####") == 1 for r in [mt.reset_row(e) for e in examples])  # (as written)
+    from docuchat_rl.sampling.multiturn import _truncate
+
+    call = ToolCall("add", {"a": 2, "b": 3}, "")
+    call_tools([[call]], [{"add": lambda a, b: "9" * 12_000_000}], 5.0)
+    t0 = time.perf_counter()
+    inserted = _truncate(s.tok, call, 16)
+    assert time.perf_counter() - t0 < 1.0  # (12 MB through the tokenizer takes many seconds)
+    assert inserted == call.result and call.truncated and inserted.endswith("of 12000000 characters]")
+    assert len(inserted) < 16 * 64 and call.result_tokens == len(s.tok(inserted, add_special_tokens=False)["input_ids"])
+
+
+def test_calls_a_limit_kept_from_running_are_not_counted_as_failed():
+    from docuchat_rl.traces import TraceRecord, step_metrics
+
+    def record(calls):
+        return TraceRecord(run_id="r", step=1, prompt_id=0, group=0, sample=0, used=True, prompt="Q", completion="A",
+                           gold="1", completion_tokens=3, truncated=False, rewards={}, total=0.0, total_missing=False,
+                           turns=[{"calls": calls, "env_tokens": 0}])
+
+    ok, failed = {"error": None}, {"error": "TypeError: x"}
+    limited = [{"error": e} for e in ("max_turns", "max_tool_calls", "max_new_tokens")]
+    m = step_metrics([record([ok, failed] + limited)], [], None)
+    assert m["tool_call_ok_frac"] == 0.5 and m["tool_calls/mean"] == 5
+    assert ToolCall("add", {}, "", error="max_turns").ran is False and ToolCall("add", {}, "").ran
+
+
+def test_an_environment_reward_of_nan_is_said_and_counted(tmp_path, taught):
+    from .conftest import train_here
+
+    train_here(ROOT / "config" / "default.yaml", [
+        "rollout.prompts_per_step=2", "rollout.num_generations=4", "logging.progress=false",
+        "eval.before_and_after=false", f"model.name_or_path={taught}", "rollout.tool_protocol=text",
+        "rollout.max_new_tokens=192", "rollout.environment_factory=tests.tool_envs.NanReward",
+        "rewards=[{name: correctness}, {name: environment}]", "run.steps=1", f"run.output_dir={tmp_path}"])
+    (m,) = read_jsonl(tmp_path / "metrics.jsonl")
+    lines = read_jsonl(tmp_path / "traces.jsonl")
+    assert m["rewards/environment/nan"] == 8
+    assert all(r["rewards"]["environment"]["raw"] is None and r["rewards"]["environment"]["info"] == {"nan": True}
+               for r in lines)

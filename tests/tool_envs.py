@@ -87,3 +87,57 @@ class BrokenReset(Counter):
         if "7" in str(row.get("question", "")):
             raise RuntimeError("no room for this row")
         return super().reset(**row)
+
+
+class Oracle(Counter):
+    """A tool that hands the model the gold answer: a completion cut before its result is shown must never be
+    scored on it (the reward hack of a run that learns to be cut off after a call)."""
+
+    def reset(self, **row) -> None:
+        super().reset(**row)
+        self.gold = row["answer"].split("####")[-1].strip()  # (the answer column as written: the worked solution)
+
+    def add(self, a: int, b: int) -> str:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        self.calls += 1
+        return f"<answer>{self.gold}</answer>"
+
+
+class RandomStart(Counter):
+    """A random start: each instance's first observation is its own (the rows of a group see different
+    prompts)."""
+
+    made = 0
+
+    def reset(self, **row) -> str:
+        super().reset(**row)
+        RandomStart.made += 1
+        return f" You start at {RandomStart.made * 37 % 101}."
+
+
+class Flood(Counter):
+    """An environment that returns far more text than the model's context holds, from reset and from a tool."""
+
+    def reset(self, **row) -> str:
+        super().reset(**row)
+        self.row = row
+        return " start" * 6_000
+
+    def add(self, a: int, b: int) -> str:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return "9" * 12_000_000
+
+
+class NanReward(Counter):
+    def get_reward(self) -> float:
+        return float("nan")

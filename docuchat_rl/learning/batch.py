@@ -26,11 +26,14 @@ class RowInfo:
     completion_lens: tuple[int, ...]  # completion tokens of each row
     groups: tuple[int, ...]  # each row's group (the values of Batch.group)
     trained: tuple[bool, ...]  # False: the row's tokens are out of the loss (completion_mask all 0)
+    prompts: tuple[int, ...]  # each row's distinct prompt: rows with one value have the same prompt tokens (a
+    # group's rows usually do; an environment's per-row observation makes them differ)
     tool_tokens: tuple[int, ...] | None = None  # multi-turn: each row's tool-result tokens (out of the loss)
 
     def take(self, rows: list[int]) -> RowInfo:
         return RowInfo(*(None if v is None else tuple(v[r] for r in rows)
-                         for v in (self.prompt_lens, self.completion_lens, self.groups, self.trained, self.tool_tokens)))
+                         for v in (self.prompt_lens, self.completion_lens, self.groups, self.trained, self.prompts,
+                                   self.tool_tokens)))
 
     @property
     def loss_lens(self) -> tuple[int, ...]:
@@ -144,7 +147,10 @@ def build_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], re
                 slogps[i, :len(c)] = torch.tensor(sampler_logps[i])
     valid = torch.ones(r, dtype=torch.bool) if reward_valid is None else torch.tensor(reward_valid, dtype=torch.bool)
     tools = None if model_masks is None else tuple(0 if m is None else len(m) - sum(m) for m in model_masks)
-    info = RowInfo(tuple(map(len, prompt_ids)), tuple(map(len, completion_ids)), tuple(group), tuple(trained), tools)
+    distinct: dict[tuple[int, ...], int] = {}
+    prompts = tuple(distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids)
+    info = RowInfo(tuple(map(len, prompt_ids)), tuple(map(len, completion_ids)), tuple(group), tuple(trained),
+                   prompts, tools)
     components = None
     if component_rewards is not None:  # (no rows: [0, 0]; the estimator knows K from the config)
         k = len(component_rewards[0]) if component_rewards else 0

@@ -5,8 +5,10 @@ column in every row, so its logits are the last T+1 positions shifted by one and
 spares the prompt positions. Position ids come from the attention mask, exactly as `generate` computed
 them for left-padded prompts.
 
-A group's rows share one prompt, so the forward can run each prompt once and hand its keys/values to the
-group's completions (`share_prompt`); with prompts longer than completions this is most of the compute.
+A group's rows usually share one prompt, so the forward can run each distinct prompt once and hand its
+keys/values to the rows that have it (`share_prompt`); with prompts longer than completions this is most of
+the compute. Rows are matched by their prompt tokens (`RowInfo.prompts`), not by their group: an
+environment's per-row first observation gives a group's rows different prompts, and each runs its own.
 `logit_chunk` scores a few positions at a time from the last hidden states, never holding [R, T, V].
 
 Completions end at different lengths, and a micro-batch padded to its longest spends most of its work on
@@ -90,13 +92,13 @@ def _shared_prompt_forward(model, batch: Batch, parts: list[tuple[list[int] | No
                            ) -> list[torch.Tensor] | None:
     """Per part ((rows, width) from `_part_widths`; by default one part of every row), the last hidden states
     [n, width, H] at the positions predicting each completion token, with each distinct prompt of the
-    micro-batch run once and its keys/values shared by the rows of its group.
+    micro-batch run once and its keys/values shared by the rows that have it.
 
-    None when no two rows share a group (nothing to save). Gradient-exact: the shared prompt's
+    None when no two rows share a prompt (nothing to save). Gradient-exact: the shared prompt's
     activations receive the summed gradient of every completion that attends to them, as in the
     one-row-per-sequence forward.
     """
-    first, inverse = _group_index(batch.info.groups)
+    first, inverse = _distinct_index(batch.info.prompts)
     lp = batch.prompt_width
     if len(first) == batch.rows or lp == 0:
         return None
@@ -189,19 +191,19 @@ def _spread(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return _TakeRows.apply(x, torch.tensor(rows).to(x.device))
 
 
-def _group_index(groups: tuple[int, ...]) -> tuple[list[int], list[int]]:
-    """(first row of each distinct group [U], each row's position among them [R]), from the host's groups.
+def _distinct_index(keys: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """(first row of each distinct prompt [U], each row's position among them [R]), from the host's keys.
 
-    >>> _group_index((4, 4, 1, 4, 1))
+    >>> _distinct_index((4, 4, 1, 4, 1))
     ([0, 2], [0, 0, 1, 0, 1])
     """
     position: dict[int, int] = {}
     first = []
-    for row, g in enumerate(groups):
+    for row, g in enumerate(keys):
         if g not in position:
             position[g] = len(first)
             first.append(row)
-    return first, [position[g] for g in groups]
+    return first, [position[g] for g in keys]
 
 
 def output_head(model):
@@ -273,8 +275,8 @@ def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     `top_k` and `top_p` are the sampler's: the log-probs (and entropy) are those of the distribution the
     sampler drew from, truncated and renormalised (`losses.kept_floor`).
 
-    `share_prompt` runs each group's prompt once (rows of a group have the same prompt) and reuses its
-    keys/values for the group's completions: the same numbers up to float rounding, with G times less
+    `share_prompt` runs each distinct prompt once and reuses its keys/values for the completions of the
+    rows that have it: the same numbers up to float rounding, with G times less
     prompt compute. `length_buckets` > 1 splits the rows by completion length into up to that many
     forwards, each padded only to its own longest (positions past a row's bucket come back as 0; the
     completion mask covers none of them). `logit_chunk` > 0 scores that many positions at a time from the

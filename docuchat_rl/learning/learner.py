@@ -216,7 +216,7 @@ class Learner:
                 continue
             self.accelerator.backward(loss)
             total = total + loss.detach()
-            acc.add(m, float(sum(mb.info.completion_lens)))
+            acc.add(m, float(sum(mb.info.loss_lens)))  # (the tokens the loss reads: no tool tokens, no untrained rows)
         if n_rows:  # (a minibatch with no rows on any process leaves every gradient None, as on one)
             dist.sum_grads(self.params)
         return float(dist.sum(total.reshape(1)))

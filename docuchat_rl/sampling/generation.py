@@ -69,6 +69,7 @@ class Generation:
     conversations: list[list[dict]] | None = None  # per row, the completion as chat messages (TRL's shape)
     environments: list | None = None  # per row, its environment instance (rewards get them as `environments`)
     dropped_groups: tuple[int, ...] = ()  # prompts (of these rows, in order) whose environment failed to reset
+    observations: list[str | None] | None = None  # per row, its environment's first observation as appended
 
 
 @dataclass

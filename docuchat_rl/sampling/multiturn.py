@@ -26,8 +26,13 @@ SmolLM2) or, for Llama 3 templates, a turn that is one JSON object `{"name": ...
 Faults are the model's or the tool's, never the run's: a malformed call, an unknown tool, a tool that raises,
 hangs past rollout.tool_timeout_s, calls sys.exit or returns something that is not text (or a number, or
 JSON) gives the model the error text as the result, and the trace records it. A result longer than
-rollout.max_tool_result_tokens is truncated (said in the text and the trace), never dropped. An
-environment whose `reset` raises drops its prompt's group (one warning line).
+rollout.max_tool_result_tokens is truncated (said in the text and the trace), never dropped; it is cut by
+characters before it is tokenised, so a tool that returns megabytes costs what its cap costs, and the
+trace keeps the text as inserted. A turn whose calls leave no room for their results and one more token
+ends the completion there (`max_new_tokens`): the results were never shown, so they are not part of the
+conversation the rewards score. An environment's first observation is cut the same way to what
+data.max_prompt_tokens leaves of the prompt. An environment whose `reset` raises drops its prompt's group
+(one warning line).
 
 Deliberately left out: several environment classes in one run (TRL's environment column), pooling
 environment instances across steps (one per completion per step), multimodal tool results, and parsing
@@ -50,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import ToolError
+from ..traces import NOT_RUN
 from .generation import Generation
 
 TEXT_SYSTEM = ("Tools:\n{tools}\nTo call a tool, write <tool_call>{{\"name\": \"tool\", \"arguments\": {{...}}}}"
@@ -64,11 +70,18 @@ class ToolCall:
 
     name: str | None  # None: the call could not be parsed
     arguments: dict | None  # as parsed (None when malformed)
-    result: str  # what the model was shown (the error text on a fault), before truncation
-    error: str | None = None  # why the call failed (malformed, unknown tool, raised, timed out, not text)
-    result_tokens: int = 0  # tokens of the result as inserted (after truncation)
+    result: str  # the text inserted for the model (the error text on a fault; cut, with its note, when truncated)
+    error: str | None = None  # why the call failed (malformed, unknown tool, raised, timed out, not text, not
+    # run: a limit was reached)
+    result_tokens: int = 0  # tokens of the result as inserted (the truncation note included)
     truncated: bool = False  # the result was cut to rollout.max_tool_result_tokens
     seconds: float = 0.0
+
+    @property
+    def ran(self) -> bool:
+        """Whether the call reached its tool (or was refused by the loop as malformed or unknown): a call a
+        limit kept from running is neither a success nor the tool's failure."""
+        return self.error not in NOT_RUN
 
 
 @dataclass
@@ -80,7 +93,8 @@ class Turn:
     calls: list[ToolCall] = field(default_factory=list)
     env_tokens: int = 0  # tool-result tokens appended after the turn (the chat template's framing included)
     ended: str = "answer"  # answer (no call) | tools (results appended, the model goes on) | max_turns |
-    # max_tool_calls | max_new_tokens (no room for the results and another turn) | truncated (cut mid-turn)
+    # max_tool_calls | max_new_tokens (no room for the results and another token: the results were not
+    # shown) | truncated (cut mid-turn)
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -420,6 +434,10 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
                         c.result, c.error = f"Error: not run ({stop} reached)", stop
                 last.ended, row.done = stop, True
                 continue
+            if limits.max_new_tokens - len(row.ids) - len(protocol.result_ids(
+                    [(c.name or "tool", "") for c in last.calls])) < 1:  # not even empty results fit: none run
+                _not_shown(last, row, "Error: not run (max_new_tokens reached)")
+                continue
             for c in [c for c in last.calls if c.error is None][allowed:]:
                 c.result, c.error = f"Error: the limit of {limits.max_tool_calls} tool calls is reached", "max_tool_calls"
             row.calls += sum(c.error is None for c in last.calls)
@@ -432,12 +450,12 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
         for row in pending:
             last = row.turns[-1]
             results = [(c.name or "tool", _truncate(tok, c, limits.max_tool_result_tokens)) for c in last.calls]
-            row.messages += [{"role": "tool", "name": name, "content": text} for name, text in results]
             suffix = protocol.result_ids(results)
             room = limits.max_new_tokens - len(row.ids) - len(suffix)
-            if room < 1:  # no room for the results and a token of answer: cut here
-                last.ended, row.done, row.truncated = "max_new_tokens", True, True
+            if room < 1:  # no room for the results and a token of answer: cut here, the results never shown
+                _not_shown(last, row)
                 continue
+            row.messages += [{"role": "tool", "name": name, "content": text} for name, text in results]
             row.ids += suffix
             row.mask += [0] * len(suffix)
             row.logps += [0.0] * len(suffix)
@@ -459,6 +477,17 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
                       conversations=[r.messages for r in rows])
 
 
+def _not_shown(turn: Turn, row: RowState, why: str | None = None) -> None:
+    """End `row` at its last turn, whose calls' results have no room before rollout.max_new_tokens: the
+    completion is cut there and scored as cut (its conversation ends with the model's turn, never with a
+    tool's text the model was not shown); `why` marks calls that were not run at all."""
+    if why is not None:
+        for c in turn.calls:
+            if c.error is None:
+                c.result, c.error = why, "max_new_tokens"
+    turn.ended, row.done, row.truncated = "max_new_tokens", True, True
+
+
 def _scripted(row: RowState, script: dict[int, list[dict]] | None) -> bool:
     """Replay: give the row's last turn's calls the traced results, when they are the traced calls (same names
     and arguments); False (call the tools) otherwise."""
@@ -471,19 +500,43 @@ def _scripted(row: RowState, script: dict[int, list[dict]] | None) -> bool:
         return False
     for c, w in zip(calls, was):
         if c.error is None or w["error"] is not None:
-            c.result, c.error = w["result"], w["error"]
+            c.result, c.error, c.truncated = w["result"], w["error"], bool(w.get("truncated"))
     return True
+
+
+CHARS_PER_TOKEN = 64  # more characters than any token of a real vocabulary spans: a text is cut to
+# cap x this before it is tokenised, so a tool's megabytes are never tokenised whole
+
+
+def cut_text(tokenizer, text: str, cap: int, what: str = "truncated") -> tuple[str, bool]:
+    """(`text` as inserted, whether it was cut): at most `cap` tokens of it, then a note saying how much was
+    kept. The text is cut by characters first (CHARS_PER_TOKEN a token), so its cost is bounded by `cap`.
+
+    >>> from transformers import AutoTokenizer
+    >>> tok = AutoTokenizer.from_pretrained("data/model")
+    >>> cut_text(tok, "7", 4)
+    ('7', False)
+    >>> cut_text(tok, "x" * 10_000_000, 4)[0].endswith("[truncated: 4 tokens kept of 10000000 characters]")
+    True
+    """
+    for chars in (cap * 8, cap * CHARS_PER_TOKEN):  # (most text is a few characters a token: try that first)
+        head = text[:chars + 1]
+        ids = tokenizer(head, add_special_tokens=False)["input_ids"]
+        if len(ids) > cap or len(head) == len(text):
+            break
+    if len(ids) <= cap and len(head) == len(text):
+        return text, False
+    return tokenizer.decode(ids[:cap]) + f"\n[{what}: {min(cap, len(ids))} tokens kept of {len(text)} characters]", True
 
 
 def _truncate(tokenizer, call: ToolCall, cap: int) -> str:
     """The result text as inserted: cut to `cap` tokens, saying so (TRL drops an overlong result; here the
-    model sees its start and the trace says it was cut)."""
-    ids = tokenizer(call.result, add_special_tokens=False)["input_ids"]
-    if len(ids) <= cap:
-        call.result_tokens = len(ids)
-        return call.result
-    call.truncated, call.result_tokens = True, cap
-    return tokenizer.decode(ids[:cap]) + f"\n[truncated: {cap} of {len(ids)} tokens]"
+    model sees its start and the trace says it was cut); the call keeps the inserted text. A call already
+    marked truncated holds its inserted text (replay's traced results) and is inserted as it is."""
+    if not call.truncated:
+        call.result, call.truncated = cut_text(tokenizer, call.result, cap)
+    call.result_tokens = len(tokenizer(call.result, add_special_tokens=False)["input_ids"])
+    return call.result
 
 
 def turns_json(turns: list[Turn] | None) -> list[dict] | None:
@@ -531,8 +584,9 @@ class MultiTurn:
 
     def __init__(self, source: ToolSource, protocol: Protocol, limits: TurnLimits, group_size: int,
                  system_prompt: str | None = None, prompt_column: str = "question", answer_column: str | None = "answer",
-                 few_shot: list[dict] | tuple = ()):
+                 few_shot: list[dict] | tuple = (), max_prompt_tokens: int = 512):
         self.source, self.protocol, self.limits, self.g = source, protocol, limits, group_size
+        self.max_prompt_tokens = max_prompt_tokens  # a prompt with its first observation fits this (the rest is cut)
         self.system_prompt, self.prompt_column, self.answer_column = system_prompt, prompt_column, answer_column
         self.few_shot = list(few_shot)
         self.script: dict[int, list[dict]] | None = None  # replay: row seed -> its traced turns (run_turns)
@@ -554,12 +608,36 @@ class MultiTurn:
                                                            **kwargs)
 
     def reset_row(self, example) -> dict:
-        """What `reset(**row)` gets: the data row's columns (the prompt and answer under their own names)."""
+        """What `reset(**row)` gets: the data row's columns as written (the prompt and the answer column
+        under their own names: GSM8K's worked solution, not only its final number, as TRL passes it)."""
         row = {self.prompt_column: list(example.messages) if example.messages else example.question,
                **example.columns}
         if self.answer_column:
-            row[self.answer_column] = example.answer
+            row[self.answer_column] = example.answer_text or example.answer
         return row
+
+    def observed_prompts(self, examples: list, observations: list[str | None]) -> tuple[list[list[int]], list]:
+        """(each row's prompt tokens with its observation, the observations as appended): an observation is
+        cut (by characters first, then tokens, saying so in its text) to what data.max_prompt_tokens leaves
+        of the prompt, so an environment that returns megabytes costs what a full prompt costs."""
+        tok, base, ids, shown = self.protocol.tokenizer, {}, [], []
+        for e, obs in zip(examples, observations):
+            if not obs:
+                shown.append(obs)
+                ids.append(tok(self.render(self.turns(e)), add_special_tokens=False)["input_ids"])
+                continue
+            if id(e) not in base:
+                base[id(e)] = len(tok(self.render(self.turns(e)), add_special_tokens=False)["input_ids"])
+            cap = self.max_prompt_tokens - base[id(e)]
+            for _ in range(3):  # (the note and the template's joins take a few tokens: cut further until it fits)
+                text, _ = cut_text(tok, obs, max(cap, 0), "observation truncated")
+                row = tok(self.render(_observed(self.turns(e), text)), add_special_tokens=False)["input_ids"]
+                if len(row) <= self.max_prompt_tokens:
+                    break
+                cap -= len(row) - self.max_prompt_tokens
+            shown.append(text)
+            ids.append(row)
+        return ids, shown
 
     def sample(self, idx: list[int], examples: list, seeds: list[int], first: Callable[[list[int]], Generation],
                more: Callable[[list[list[int]], list[int], int], Generation], group_size: int | None = None
@@ -567,13 +645,11 @@ class MultiTurn:
         """The rows of prompts `idx` (G each, or `group_size`; row r from seeds[r]): `first(idx)` samples the first
         turns of the prompts as rendered for the run; a prompt whose environments returned an observation is
         rendered per row with it and its first turns sampled through `more`."""
-        g, tok = group_size or self.g, self.protocol.tokenizer
+        g = group_size or self.g
         rows = [self.reset_row(e) for e in examples for _ in range(g)]
         envs, observations, failed = reset_environments(self.source.environment, rows, g)
         if any(o for o in observations):
-            texts = [self.render(_observed(self.turns(e), o))
-                     for e, o in zip([e for e in examples for _ in range(g)], observations)]
-            ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+            ids, observations = self.observed_prompts([e for e in examples for _ in range(g)], observations)
             gen = more(ids, seeds, self.limits.max_new_tokens)
         else:
             gen = first(idx)
@@ -583,6 +659,7 @@ class MultiTurn:
                 tools.update({m.__name__: m for m in environment_methods(env)})
         out = run_turns(gen, more, seeds, named, self.protocol, self.limits, self.script)
         out.environments, out.dropped_groups = envs, tuple(sorted(failed))
+        out.observations = observations
         return out
 
 
@@ -596,10 +673,10 @@ def _observed(turns: list[dict], observation: str | None) -> list[dict]:
 
 
 def multiturn_from_config(cfg, tokenizer, max_new_tokens: int | None = None, group_size: int | None = None,
-                          stop_ids: list[int] | tuple = ()) -> MultiTurn | None:
+                          stop_ids: list[int] | tuple = (), context_len: int | None = None) -> MultiTurn | None:
     """The tools and environment a multi-turn run calls (loaded, described and checked before anything is
     sampled), or None for single-turn rollouts; `max_new_tokens` and `group_size` for evaluation's own,
-    `stop_ids` the model's end-of-turn tokens (modeling.eos_ids)."""
+    `stop_ids` the model's end-of-turn tokens (modeling.eos_ids), `context_len` the model's context."""
     r = cfg.rollout
     if not r.multi_turn:
         return None
@@ -614,4 +691,15 @@ def multiturn_from_config(cfg, tokenizer, max_new_tokens: int | None = None, gro
     limits = TurnLimits(max_new_tokens or r.max_new_tokens, r.max_turns, r.max_tool_calls, r.tool_timeout_s,
                         r.max_tool_result_tokens)
     return MultiTurn(source, protocol, limits, group_size or r.num_generations, cfg.data.system_prompt,
-                     cfg.data.prompt_column, cfg.data.answer_column, cfg.data.few_shot_turns)
+                     cfg.data.prompt_column, cfg.data.answer_column, cfg.data.few_shot_turns,
+                     prompt_limit(cfg.data.max_prompt_tokens, context_len, limits.max_new_tokens))
+
+
+def prompt_limit(max_prompt_tokens: int, context_len: int | None, max_new_tokens: int) -> int:
+    """The longest prompt a run samples from: data.max_prompt_tokens, or less where the model's context
+    leaves less after rollout.max_new_tokens.
+
+    >>> prompt_limit(512, 512, 192), prompt_limit(256, None, 64)
+    (320, 256)
+    """
+    return max_prompt_tokens if context_len is None else max(1, min(max_prompt_tokens, context_len - max_new_tokens))

@@ -69,6 +69,7 @@ class Completion:
     group: int | None  # index among the step's used groups (of all processes); None when not used
     model_mask: list[int] | None = None  # multi-turn: 1 on the tokens the model sampled, 0 on tool tokens
     turns: list | None = None  # multi-turn: its multiturn.Turn records
+    observation: str | None = None  # multi-turn: its environment's first observation as appended to the prompt
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Rollout:
             records.append((c.slot, TraceRecord(
                 run_id=run_id, step=step, group=c.group, used=c.used, algorithm=algo, slot=c.slot, seed=c.seed,
                 completion_ids=list(c.ids), adapter_sha256=self.adapter_sha256, turns=turns_json(c.turns),
+                observation=c.observation,
                 policy_version=step - 1 if self.policy_version is None else self.policy_version,
                 **(coordinate or {}),
                 **completion_fields(c.example, c.sample, c.text, len(c.ids), c.truncated, c.reward))))
@@ -289,7 +291,8 @@ class Collector:
                            text=texts[i], truncated=gen.truncated[i], reward=records[i],
                            used=groups[i // g] is not None, group=groups[i // g],
                            model_mask=gen.model_mask[i] if gen.model_mask else None,
-                           turns=gen.turns[i] if gen.turns else None) for i in range(len(examples))]
+                           turns=gen.turns[i] if gen.turns else None,
+                           observation=gen.observations[i] if gen.observations else None) for i in range(len(examples))]
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state` (for shaping by training progress): a

@@ -25,6 +25,7 @@ from rewards import CompositeReward
 from ..config import Config
 from ..data import Example, load_examples, load_split, render_prompt
 from ..distributed import Dist
+from ..errors import ToolError
 from ..modeling import eos_ids, merged_adapter
 from ..sampling.generation import completion_texts, generate, row_seed
 from ..sampling.multiturn import multiturn_from_config
@@ -43,7 +44,10 @@ class EvalRow:
     truncated: bool
     hits: list[float]  # the accuracy component's raw score of each of the pass@k samples (empty when off)
     calls: int = 0  # multi-turn: tool calls the greedy completion made
-    failed_calls: int = 0  # multi-turn: of them, those that failed (malformed, unknown tool, the tool's error)
+    failed_calls: int = 0  # multi-turn: of the calls that ran, those that failed (malformed, unknown tool, the
+    # tool's error); a call a limit kept from running is neither
+    ran_calls: int = 0  # multi-turn: the calls that ran (ToolCall.ran)
+    reset_failed: bool = False  # its environment's reset raised: said, and left out of every number
 
 
 def also_sets(cfg: Config) -> dict[str, list[Example]]:
@@ -88,7 +92,14 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
         rows = _evaluate_rows(model, tokenizer, cfg, reward, mine, max_new, k, first=lo, lockstep=lockstep)
     rows = dist.gather(rows)  # every row, in order, on every process
     model.train(was_training)
-    out: dict = {"rows": len(examples), "max_new_tokens": max_new}
+    failed = sum(r.reset_failed for r in rows)
+    rows = [r for r in rows if not r.reset_failed]  # (said once by reset_environments: not scored, not counted)
+    if not rows and examples:
+        raise ToolError(f"every one of the {len(examples)} held-out rows failed its environment's reset: "
+                              "nothing to evaluate")
+    out: dict = {"rows": len(rows), "max_new_tokens": max_new}
+    if failed:
+        out["reset_failed"] = failed
     for name, mean in reward_means([r.raw for r in rows], reward.names).items():
         out[f"{name}/mean"] = mean
     if acc_name in reward.names:
@@ -101,7 +112,8 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
         calls = sum(r.calls for r in rows)
         out["tool_calls/mean"] = float(np.mean([r.calls for r in rows]))
         out["tool_call_rate"] = float(np.mean([r.calls > 0 for r in rows]))
-        out["tool_call_ok_frac"] = (calls - sum(r.failed_calls for r in rows)) / calls if calls else None
+        ran = sum(r.ran_calls for r in rows)
+        out["tool_call_ok_frac"] = (ran - sum(r.failed_calls for r in rows)) / ran if ran else None
     if k:
         hits = np.array([r.hits for r in rows])  # [rows, k]
         out[f"pass@{k}"] = float((hits.max(axis=1) > 0).mean())
@@ -115,7 +127,8 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
     """Greedy completions (and k samples each for pass@k) of `examples`, the rows `first`, first + 1, ...
     of the held-out set, scored."""
     e, r, acc_name = cfg.eval, cfg.rollout, cfg.rewards.accuracy_component
-    multiturn = multiturn_from_config(cfg, tokenizer, max_new, group_size=1, stop_ids=eos_ids(model, tokenizer))
+    multiturn = multiturn_from_config(cfg, tokenizer, max_new, group_size=1, stop_ids=eos_ids(model, tokenizer),
+                                      context_len=getattr(model.config, "max_position_embeddings", None))
     prompts = [multiturn.prompt_text(x) if multiturn else
                render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages, cfg.data.few_shot_turns)
                for x in examples]
@@ -165,6 +178,9 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
         flat = [rec.components[acc_name].raw or 0.0 for rec in sres.records]
         hits = [flat[i * k:(i + 1) * k] for i in range(len(examples))]
     calls = [[c for t in turns for c in t.calls] for turns in gen.turns] if gen.turns else [[]] * len(examples)
+    reset_failed = set(gen.dropped_groups) | (set(sgen.dropped_groups) if k else set())  # (one row a group)
     return [EvalRow(raw={n: rec.components[n].raw for n in reward.names}, tokens=len(ids), truncated=bool(trunc),
-                    hits=h, calls=len(cs), failed_calls=sum(c.error is not None for c in cs))
-            for rec, ids, trunc, h, cs in zip(res.records, gen.completion_ids, gen.truncated, hits, calls)]
+                    hits=h, calls=len(cs), failed_calls=sum(c.ran and c.error is not None for c in cs),
+                    ran_calls=sum(c.ran for c in cs), reset_failed=i in reset_failed)
+            for i, (rec, ids, trunc, h, cs) in enumerate(zip(res.records, gen.completion_ids, gen.truncated, hits,
+                                                             calls))]

@@ -280,6 +280,18 @@ class Rescored:
     advantages: bool = True  # False when the algorithm's advantages need its critic (not recomputed)
     skipped: int = 0  # lines of the file that are not trace lines (torn, not JSON objects, mistyped)
     first_skipped: str | None = None  # where the first of them is, and why
+    kept: list[str] = field(default_factory=list)  # components that cannot be rescored: their traced scores kept
+
+
+class TracedEnvironment:
+    """A traced completion's environment, gone with its run: `get_reward()` gives the traced score back, so
+    the `environment` component is kept as training scored it (rescore says so) instead of failing."""
+
+    def __init__(self, raw: float | None):
+        self.raw = raw
+
+    def get_reward(self) -> float | None:
+        return self.raw
 
 
 def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
@@ -327,10 +339,13 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
             examples.append(e)
         ids = [t.get("completion_ids") or [0] * t["completion_tokens"] for t in group]
         gen = Generation([[]] * len(group), ids, [t["truncated"] for t in group], [[]] * len(group))
-        if any(t.get("turns") for t in group):  # multi-turn: the conversations as training scored them (an
-            # environment's own reward cannot be rescored: its instances are gone; the component fails, named)
+        if any(t.get("turns") for t in group):  # multi-turn: the conversations as training scored them
             gen.conversations = [conversation_of(t["turns"]) if t.get("turns") else
                                  [{"role": "assistant", "content": t["completion"]}] for t in group]
+            if "environment" in reward.names:  # (its instances are gone: the traced scores are kept, said)
+                gen.environments = [TracedEnvironment((t["rewards"].get("environment") or {}).get("raw"))
+                                    for t in group]
+                result.kept = ["environment"]
         state = TrainerState(global_step=step - 1, max_steps=cfg.run.steps)
         new = score(reward, examples, [t["completion"] for t in group], gen, state).records
         adv: list[float | None] = [None] * len(group)
