@@ -115,7 +115,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--export", help="write the selection to a .jsonl or .csv file")
     a.add_argument("--html", help="write a self-contained HTML report here")
     a.add_argument("--bins", type=COUNT, default=5, help="step ranges in the summary and detectors")
-    a.add_argument("--accuracy", default="correctness", help="component used as accuracy")
+    a.add_argument("--accuracy", default=None, help="component used as accuracy (default: correctness, when the "
+                   "traces have it)")
     a.add_argument("--compare", nargs=2, metavar=("A", "B"),
                    help="two selections RUN[@STEP[-STEP]]: prompts that flipped correct<->wrong")
     a.add_argument("--json", action="store_true", help="machine-readable output")
@@ -280,13 +281,21 @@ def cmd_eval(args) -> int:
     # under torchrun / accelerate launch each process evaluates a share of the rows; the main one reports
     dist = Dist.from_accelerator(PartialState(cpu=on_cpu(cfg.model.device)))
     model, tok = load_policy(cfg.model, args.adapter, device=str(dist.device) if dist.active else None)
-    result = {"model": cfg.model.name_or_path, "adapter": args.adapter, **evaluate(model, tok, cfg, dist=dist)}
+    with plugins_print_to_stderr():
+        result = {"model": cfg.model.name_or_path, "adapter": args.adapter, **evaluate(model, tok, cfg, dist=dist)}
     if dist.is_main:
         text = json.dumps(result, indent=2)
         print(text)
         if args.out:
             Path(args.out).write_text(text + "\n")
     return 0
+
+
+def plugins_print_to_stderr():
+    """For the block, what the code running in it prints (a reward, a tool, an environment: plugins of the
+    user's) goes to stderr: a command's stdout carries only what the command writes there itself (eval's
+    JSON, --json lines), which a plugin's print would break for the machine reading it."""
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def _config_for(args):
@@ -365,9 +374,10 @@ def cmd_generate(args) -> int:
               **_sampling(args, cfg.rollout))
     runs = [("base", True), ("adapter", False)] if args.compare else [("adapter" if args.adapter else "base", False)]
     records = []
-    for label, base in runs:
-        for rec in sample_records(model, tok, cfg, examples, base=base, **kw):
-            records.append({"model": label, **rec})
+    with plugins_print_to_stderr():
+        for label, base in runs:
+            for rec in sample_records(model, tok, cfg, examples, base=base, **kw):
+                records.append({"model": label, **rec})
     if args.compare:  # side by side: each prompt's base completions, then its adapter's
         records.sort(key=lambda r: (r["prompt_id"], r["sample"], r["model"] != "base"))
     if args.json:
@@ -525,7 +535,8 @@ def cmd_rescore(args) -> int:
     run = Path(args.run)  # --config, else the run's own recipe; then --set
     cfg = load_config(args.config, args.overrides) if args.config else \
         config_from_dict(run_config(run if run.is_dir() else run.parent), args.overrides)
-    result = rescore(args.run, cfg)
+    with plugins_print_to_stderr():
+        result = rescore(args.run, cfg)
     if result.skipped:
         print(f"docuchat-rl: warning: skipped {result.skipped} line{'s' * (result.skipped != 1)} of {args.run} that "
               f"{'is not a trace line' if result.skipped == 1 else 'are not trace lines'} (first: "
@@ -617,6 +628,7 @@ def cmd_audit(args) -> int:
     for flag, path in (("--export", args.export), ("--html", args.html)):
         if path:
             check_new_file(path, flag)
+    given, args.accuracy = args.accuracy is not None, args.accuracy or "correctness"
     if args.compare:
         result = compare(*args.compare, accuracy=args.accuracy)
         if args.json:
@@ -633,6 +645,9 @@ def cmd_audit(args) -> int:
     if not args.runs:
         raise AuditError("give a run folder or a traces file (or --compare A B)")
     with TraceStore(args.runs) as store:
+        if given and args.accuracy not in store.components:  # (a name that matches nothing is never accepted)
+            raise AuditError(f"--accuracy {args.accuracy!r}: no such reward component in the traces; they have "
+                             f"{', '.join(store.components)}")
         selecting = args.where or args.sort or args.export or args.limit is not None
         if selecting:
             rows = store.select(args.where, args.sort, args.limit if args.limit is not None else

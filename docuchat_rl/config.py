@@ -233,7 +233,7 @@ class RolloutConfig(Section):
     sharded_generation: bool = False
     """Under FSDP2: decode on the sharded weights, every process in lockstep (slow: each step gathers every layer, but the whole model never sits on one device); false: gather them to generate."""
     async_lag: int = Field(0, ge=0)
-    """Fixed lag k: step t trains on completions sampled by the policy after step t-1-k, the ratio taken against the sampler's log-probs (0: synchronous); see async_worker_threads for where they are sampled."""
+    """Fixed lag k < run.steps: step t trains on completions sampled by the policy after step t-1-k, as decoupled PPO (the ratio clipped against the learner at the step's start, each token weighted by pi_prox / pi_sampler; 0: synchronous); see async_worker_threads for where they are sampled."""
     async_worker_threads: int = Field(0, ge=0)
     """With async_lag: 0 samples in the learner's process between updates; N > 0 in a worker process of N torch threads, ahead, while the learner updates (under engine vllm: a vLLM engine)."""
     async_timeout_s: float = Field(600.0, gt=0)
@@ -512,6 +512,13 @@ class Config(Section):
         elif r.sharded_generation:
             raise ValueError("rollout.tools and rollout.environment_factory cannot be used with "
                              "rollout.sharded_generation (its processes decode in lockstep, turns differ per row)")
+        # settings that cannot take effect in this run (one rule: a period or a lag must fit inside run.steps)
+        if r.async_lag and r.async_lag >= self.run.steps:
+            raise ValueError(f"rollout.async_lag {r.async_lag} is not shorter than the run (run.steps "
+                             f"{self.run.steps}): every step would sample with the initial adapter")
+        if self.eval.every is not None and self.eval.every > self.run.steps:
+            raise ValueError(f"eval.every {self.eval.every} is longer than the run (run.steps {self.run.steps}): no "
+                             "evaluation would run inside it (eval.before_and_after evaluates at its ends)")
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")
@@ -621,7 +628,10 @@ def apply_override(raw: dict, assignment: str) -> None:
         raise ConfigError(f"--set {assignment!r}: expected section.key=value")
     path, value = assignment.split("=", 1)
     keys = path.strip().split(".")
-    parsed = yaml.safe_load(value) if value.strip() else ""
+    try:
+        parsed = read_yaml(value) if value.strip() else ""
+    except ConfigError as e:
+        raise ConfigError(f"--set {path}: {e}") from None
     if keys[0] == "rewards":
         raw["rewards"] = _rewards_mapping(raw.get("rewards"))
         if len(keys) > 2 and keys[1] not in RewardsConfig.model_fields:
@@ -657,6 +667,39 @@ def _list_item(items: list, key: str, where: str) -> dict:
     raise ConfigError(f"--set {where}: no entry {key!r}; entries are {names} (or an index)")
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (yaml.safe_load keeps the last and drops
+    the first without a word: a recipe would lose a value, or a whole section, silently)."""
+
+
+def _unique_mapping(loader: _RecipeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if key in seen and key != "<<":
+            raise ConfigError(f"line {line}: key {key!r} is written twice in one mapping (first on line "
+                              f"{seen[key]}): one of the two values would be lost; keep one")
+        seen.setdefault(key, line)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_RecipeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def read_yaml(text: str) -> Any:
+    """YAML text as Python values, a key written twice in one mapping refused (ConfigError naming its line).
+
+    >>> read_yaml("optim: {lr: 1}")
+    {'optim': {'lr': 1}}
+    >>> read_yaml("optim:\n  lr: 1\n  lr: 2")
+    Traceback (most recent call last):
+    ...
+    docuchat_rl.config.ConfigError: line 3: key 'lr' is written twice in one mapping (first on line 2): one of the two values would be lost; keep one
+    """
+    return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or the built-in defaults when path is None), apply overrides, validate."""
     raw: dict = {}
@@ -665,7 +708,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.exists():
             raise ConfigError(f"config file not found: {p}")
         try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            raw = read_yaml(p.read_text(encoding="utf-8")) or {}
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {str(e).splitlines()[0]}") from e
         except UnicodeDecodeError as e:

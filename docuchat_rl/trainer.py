@@ -18,9 +18,12 @@ samples, scores and trains its share of the groups; the main process writes the 
 checkpoint files. Under FSDP2, rollout and evaluation run on gathered weights (or, with
 `rollout.sharded_generation`, decode in lockstep on the sharded ones).
 
-Deliberately left out: generation on a serving engine of its own (a vLLM server on other GPUs or
-machines): the engines run in the trainer's processes, or in a fixed lag's worker process beside each
-one (sampling/lag.py); and multi-turn rollouts (tool calls).
+Where completions come from is the collector's business: an engine in the trainer's processes, a fixed
+lag's worker process beside each (sampling/lag.py), vLLM's own servers (sampling/vllm_server.py), and the
+tool loop around any of them (sampling/multiturn.py); the loop never asks which.
+
+Deliberately left out: a step that overlaps its own rollout with its update (a fixed lag overlaps the
+next steps' rollouts instead).
 """
 
 from __future__ import annotations

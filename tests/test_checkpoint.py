@@ -39,6 +39,26 @@ def test_a_write_that_fails_leaves_the_previous_checkpoint_and_latest(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_a_first_checkpoint_that_safetensors_cannot_write_is_one_line_and_leaves_no_folder(tmp_path):
+    """safetensors reports a full disk as its own SafetensorError (neither OSError nor RuntimeError): one line
+    all the same, and no half-written folder that would make the run folder look resumable."""
+    from safetensors import SafetensorError
+
+    from docuchat_rl.outputs import claim_output_dir
+
+    def full(folder):
+        (folder / "adapter_model.safetensors").write_bytes(b"\0" * 10)
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    (tmp_path / "traces.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(CheckpointError, match="could not write checkpoint-1 .*StorageFull.*no earlier checkpoint"):
+        save_checkpoint(tmp_path, 1, full, keep_last=3)
+    assert not list(tmp_path.glob("checkpoint-*"))
+    with pytest.raises(ValueError, match="it has no checkpoint to resume from"):
+        claim_output_dir(tmp_path, overwrite=False)
+
+
 def test_resolve_resume_accepts_latest_a_run_folder_or_a_checkpoint(tmp_path):
     save_checkpoint(tmp_path, 5, _writer(5), keep_last=3)
     save_checkpoint(tmp_path, 10, _writer(10), keep_last=3)

@@ -294,3 +294,28 @@ def test_without_a_terminal_progress_is_plain_lines_and_loading_prints_no_bar(tm
     lines = [x for x in done.stderr.splitlines() if x.startswith("train step")]
     assert [x.split(":")[0] for x in lines] == ["train step 1/3", "train step 2/3", "train step 3/3"]
     assert all("reward " in x and "acc " in x for x in lines)
+
+
+@pytest.mark.parametrize("command", ["eval", "generate", "rescore"])
+def test_what_a_plugin_prints_never_reaches_a_commands_machine_output(tmp_path, capsys, command):
+    """A reward that prints while it scores: every command that writes JSON for a machine keeps its stdout
+    pure (each line parses), the plugin's line goes to stderr."""
+    reward = "--set", "rewards=[{name: correctness}, {name: 'tests.user_rewards:chatty', weight: 0.5}]"
+    if command == "rescore":
+        run = tmp_path / "run"
+        assert main(["train", "--set", "run.steps=1", "--set", f"run.output_dir={run}", "--set", "rollout.prompts_per_step=2",
+                     "--set", "rollout.num_generations=2", "--set", "rollout.max_new_tokens=8",
+                     "--set", "eval.before_and_after=false", "--set", "logging.progress=false", *reward]) == 0
+        capsys.readouterr()
+        argv = ["rescore", str(run), "--json"]
+    elif command == "eval":
+        argv = ["eval", "--set", "eval.limit=4", "--set", "eval.max_new_tokens=8", *reward]
+    else:
+        argv = ["generate", "--held-out", "2", "--max-new-tokens", "8", "--score", "--json", *reward]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    if command == "eval":
+        assert json.loads(out)["rows"] == 4
+    else:
+        assert all(json.loads(line) for line in out.splitlines())
+    assert "scoring" not in out and "scoring" in err

@@ -242,3 +242,55 @@ def test_a_recipe_that_is_not_utf8_is_one_line_naming_its_line(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(recipe)
     assert str(e.value) == f"{recipe}: line 3 is not UTF-8 text; save the recipe as UTF-8"
+
+
+# ------------------------------------------------ classes of bad input, with generated inputs (issue 55)
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_RESOLVED = Config().to_dict()
+_KEYS = sorted((section, key) for section, body in _RESOLVED.items() if isinstance(body, dict) for key in body)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(where=st.sampled_from(_KEYS), whole_section=st.booleans())
+def test_a_key_or_section_written_twice_in_a_recipe_is_refused_naming_its_lines(tmp_path, where, whole_section):
+    """Any key of any section, or any whole section, written twice: yaml.safe_load would keep the second and
+    drop the first without a word; the loader refuses it, naming both lines."""
+    import json
+
+    section, key = where
+    body = _RESOLVED[section]
+    value = json.dumps(_RESOLVED[section][key])  # (JSON is YAML's flow style)
+    rows = [f"{section}:", *(f"  {k}: {json.dumps(v)}" for k, v in body.items())]
+    rows += [f"{section}:", f"  {key}: {value}"] if whole_section else [f"  {key}: {value}"]
+    p = tmp_path / "twice.yaml"
+    p.write_text("\n".join(rows) + "\n")
+    name = section if whole_section else key
+    with pytest.raises(ConfigError, match=rf"twice.yaml: line \d+: key '{name}' is written twice in one mapping "
+                                          rf"\(first on line \d+\)"):
+        load_config(p)
+    p.write_text("\n".join(rows[:-1 - whole_section]) + "\n")  # (written once, the same recipe loads)
+    load_config(p)
+
+
+def test_a_key_written_twice_inside_a_set_value_is_refused():
+    with pytest.raises(ConfigError, match="--set rewards: line 1: key 'name' is written twice"):
+        load_config(None, ["rewards=[{name: correctness, name: format}]"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.integers(1, 12), lag=st.integers(0, 14), every=st.one_of(st.none(), st.integers(1, 14)))
+def test_a_lag_or_an_evaluation_period_longer_than_the_run_is_refused(steps, lag, every):
+    """A setting that cannot take effect in this run is an error at load, never accepted: a fixed lag no
+    shorter than run.steps (every step would sample with the initial adapter), eval.every past the last step."""
+    sets = [f"run.steps={steps}", f"rollout.async_lag={lag}", f"eval.every={'null' if every is None else every}"]
+    if lag >= steps and lag:
+        with pytest.raises(ConfigError, match=rf"rollout.async_lag {lag} is not shorter than the run"):
+            load_config(None, sets)
+    elif every is not None and every > steps:
+        with pytest.raises(ConfigError, match=rf"eval.every {every} is longer than the run"):
+            load_config(None, sets)
+    else:
+        cfg = load_config(None, sets)
+        assert (cfg.rollout.async_lag, cfg.eval.every, cfg.run.steps) == (lag, every, steps)

@@ -528,3 +528,61 @@ def test_an_environment_reward_of_nan_is_said_and_counted(tmp_path, taught):
     assert m["rewards/environment/nan"] == 8
     assert all(r["rewards"]["environment"]["raw"] is None and r["rewards"]["environment"]["info"] == {"nan": True}
                for r in lines)
+
+
+def test_evaluation_leaves_out_the_rows_whose_reset_failed_and_counts_them(taught):
+    from docuchat_rl.config import load_config
+    from docuchat_rl.modeling import load_model_and_tokenizer
+    from docuchat_rl.tools.evaluate import evaluate
+
+    model, tok = load_model_and_tokenizer(str(taught), dtype="float32", device="cpu")
+    sets = ["rollout.environment_factory=tests.tool_envs.BrokenReset", "rollout.max_new_tokens=64", "eval.limit=12",
+            "rewards=[{name: correctness}, {name: environment}]"]
+    cfg = load_config(None, sets)
+    from docuchat_rl.data import load_split
+
+    broken = sum("7" in e.question for e in load_split(cfg.data, "test", 12))
+    assert 0 < broken < 12
+    with pytest.warns(UserWarning, match="environment reset failed"):
+        out = evaluate(model, tok, cfg)
+    assert out["reset_failed"] == broken and out["rows"] == 12 - broken
+    from docuchat_rl.errors import ToolError
+
+    with pytest.raises(ToolError, match="every one of the 12 held-out rows failed its environment's reset"):
+        with pytest.warns(UserWarning):
+            evaluate(model, tok, load_config(None, sets[1:] + ["rollout.environment_factory=tests.tool_envs.NeverResets"]))
+
+
+def test_a_step_whose_every_reset_failed_names_the_resets_not_dynamic_sampling(tmp_path, taught):
+    t = Trainer(_tool_run(tmp_path, taught, "rollout.tools=[]", "rollout.environment_factory=tests.tool_envs.NeverResets",
+                          "run.steps=1", "rewards=[{name: correctness}, {name: environment}]"))
+    with pytest.warns(UserWarning, match="out of pieces"), \
+            pytest.raises(TrainingError, match="rollout.environment_factory's reset raised for every prompt"):
+        t.train()
+    t.close()
+
+
+def test_generate_and_chat_say_they_call_no_tool(capsys):
+    from docuchat_rl.cli import main
+
+    assert main(["generate", "--set", "rollout.tools=[tests.tool_envs.add]", "--prompt", "1 + 1?",
+                 "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: generate answers in one turn and calls no tool" in err
+
+
+def test_an_interrupt_while_a_tool_hangs_stops_at_once_and_is_not_the_tools_error():
+    """Ctrl-C (or the second SIGTERM, which raises the same) during the wait for a hung tool is the run's
+    interrupt: it propagates within a moment instead of becoming the call's error at the tool's time limit."""
+    import os
+    import signal
+    import threading
+
+    from tests import tool_envs as t
+
+    call = ToolCall("hang", {"x": 1}, "")
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        call_tools([[call]], [{"hang": t.hang}], timeout_s=30.0)
+    assert time.perf_counter() - t0 < 5 and call.error is None

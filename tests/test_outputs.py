@@ -118,3 +118,10 @@ def test_an_output_file_is_never_a_runs_own_file_nor_an_existing_one(tmp_path, n
     with pytest.raises(FileExistsError, match="is a folder"):
         check_new_file(tmp_path / "checkpoint-2", "--html")
     assert check_new_file(tmp_path / "rescored.jsonl", "--out") == tmp_path / "rescored.jsonl"
+
+
+def test_an_output_file_is_never_written_through_a_dangling_link(tmp_path):
+    (tmp_path / "out.jsonl").symlink_to(tmp_path / "elsewhere" / "target.jsonl")
+    with pytest.raises(FileExistsError, match="is a symbolic link to .*target.jsonl, which does not exist"):
+        check_new_file(tmp_path / "out.jsonl", "--out")
+    assert not (tmp_path / "elsewhere").exists()

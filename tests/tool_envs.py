@@ -141,3 +141,8 @@ class Flood(Counter):
 class NanReward(Counter):
     def get_reward(self) -> float:
         return float("nan")
+
+
+class NeverResets(Counter):
+    def reset(self, **row):
+        raise RuntimeError("the board is out of pieces")

@@ -238,3 +238,9 @@ def whole_torch(prompts, completions, **kwargs):
     import torch
 
     return torch.tensor([float(len(c)) for c in completions[:-1]] + [float("nan")])
+
+
+def chatty(completions, **kwargs):
+    """A reward that prints as it scores (a user's debugging line): never on a command's machine output."""
+    print("scoring", len(completions), "completions")
+    return [1.0 for _ in completions]

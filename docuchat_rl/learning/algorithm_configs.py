@@ -88,7 +88,7 @@ class _Clipped(_Algo):
     epsilon_high: float = Field(0.2, ge=0)
     """Upper clip range: ratios above 1 + epsilon_high are clipped (DAPO clip-higher uses 0.28)."""
     num_iterations: int = Field(1, ge=1)
-    """Policy updates (mu, or PPO epochs) per rollout, all against the log-probs recorded at rollout time."""
+    """Policy updates (mu, or PPO epochs) per rollout, each ratio taken against the policy at the step's start (the proximal policy: under a fixed lag, not the sampler)."""
 
 
 class _ActorCritic(_Algo):

@@ -10,9 +10,10 @@ combined over micro-batches and processes by `MetricAccumulator`, with each metr
 Under FSDP2 every forward through the sharded layers is a collective, so a process with fewer
 micro-batches runs placeholder rows that train nothing (`micro_batches`).
 
-Deliberately left out: gradient accumulation across rollouts, and a proximal policy for lagged batches
-(under rollout.async_lag the ratio and its clip are taken against the sampler's log-probs, not against the
-learner at the step's start as decoupled PPO does).
+Under rollout.async_lag the update is decoupled PPO: the ratio and its clip are taken against the proximal
+policy (the learner at the step's start), each token weighted once by pi_prox / pi_sampler (`behaviour`).
+
+Deliberately left out: gradient accumulation across rollouts.
 """
 
 from __future__ import annotations

@@ -347,6 +347,12 @@ def call_tools(rows: list[list[ToolCall]], tools: list[dict[str, Callable]], tim
         except FutureTimeout:
             future.cancel()
             c.result, c.error = f"Error: {c.name} timed out after {timeout_s:g} s", "timeout"
+        except KeyboardInterrupt:
+            if not future.done():  # Ctrl-C or a second signal while waiting: the run's interrupt, not the tool's
+                for _, other, _ in started:
+                    other.cancel()
+                raise
+            c.result, c.error = f"Error: {c.name} raised KeyboardInterrupt", "KeyboardInterrupt"
         except SystemExit as e:
             c.result, c.error = f"Error: {c.name} called sys.exit({e.code!r})", f"sys.exit({e.code!r})"
         except BaseException as e:  # noqa: BLE001 (the tool's fault, told to the model)

@@ -23,9 +23,10 @@ adapter version it is sent as a LoRA adapter (`add_version`, written as peft's a
 versions in use stay loaded, as TRL's async GRPO keeps max_staleness + 1). The synchronous loop keeps the
 merged sync: vLLM's LoRA path was 5x slower than a merged sync on the CPU in issue #24's measurement.
 
-Deliberately left out: vLLM as a server on GPUs or machines of its own (docs/vllm.md has the plan; the
-engine lives in the training process or in a fixed lag's worker beside it), sharded (FSDP2) models and
-sharded generation.
+This module is the colocated engine (in the training process, or in a fixed lag's worker beside it); vLLM's
+own servers on GPUs or machines of their own are `vllm_server.py`.
+
+Deliberately left out: sharded (FSDP2) models and sharded generation.
 """
 
 from __future__ import annotations
