@@ -692,7 +692,7 @@ def read_yaml(text: str) -> Any:
 
     >>> read_yaml("optim: {lr: 1}")
     {'optim': {'lr': 1}}
-    >>> read_yaml("optim:\n  lr: 1\n  lr: 2")
+    >>> read_yaml("optim:\\n  lr: 1\\n  lr: 2")
     Traceback (most recent call last):
     ...
     docuchat_rl.config.ConfigError: line 3: key 'lr' is written twice in one mapping (first on line 2): one of the two values would be lost; keep one

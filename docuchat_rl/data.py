@@ -176,6 +176,11 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
         # too, raw, as TRL passes it: `def accuracy_reward(completions, solution, **kw)` reads `solution`)
         out.append(Example(prompt_id=i, question=str(q), answer=gold_of(a) or "", columns=extra, messages=messages,
                            answer_text=a))
+    if answer_column is not None and out and not any(e.answer for e in out):  # (a column without values: every
+        # answer-reading reward would score None on every row, and the run would train on format alone)
+        raise DataError(f"{source}: column {answer_column!r} (data.answer_column) holds no answer in any of its "
+                        f"{len(out)} rows: name the column that has them, or set data.answer_column: null for "
+                        "data without answers")
     return out
 
 

@@ -124,6 +124,7 @@ def sandbox(root: Path) -> dict:
         "one.jsonl": (rows[0] + "\n").encode(),
         "bad.yaml": b"run: [unclosed\n",
         "list.yaml": b"- a\n- b\n",
+        "twice.yaml": b"optim:\n  lr: 1.0e-3\n  max_grad_norm: 1.0\n  lr: 5.0e-4\n",
         "latin1.yaml": b"run:\n  output_dir: caf\xe9\n",
         "notes.txt": b"mine\n",
         "notagguf.gguf": b"not a gguf file at all" * 20,
@@ -136,6 +137,7 @@ def sandbox(root: Path) -> dict:
     (root / "foreign" / "notes.txt").write_text("mine\n")
     (root / "exported").mkdir()
     (root / "exported" / "notes.txt").write_text("mine\n")
+    (root / "dangling.jsonl").symlink_to(root / "gone" / "target.jsonl")
     traces = s["run"] / "traces.jsonl"
     lines = traces.read_text().splitlines()
     bad = [json.loads(x) for x in lines[:6]]
@@ -189,6 +191,13 @@ def cases(s: dict) -> list[Case]:
         C("YAML that does not parse", "config", ["train", "--config", r / "bad.yaml"], "error"),
         C("YAML whose top is a list", "config", ["train", "--config", r / "list.yaml"], "error"),
         C("YAML that is not UTF-8", "config", ["train", "--config", r / "latin1.yaml"], "error"),
+        C("a key written twice in a recipe", "config", ["train", "--config", r / "twice.yaml"], "error"),
+        C("a key written twice in a --set value", "config",
+          ["train", "--set", "rewards=[{name: correctness, name: format}]"], "error"),
+        C("a lag as long as the run", "config", ["train", "--set", "run.steps=2", "--set", "rollout.async_lag=2"],
+          "error"),
+        C("an evaluation period past the last step", "config",
+          ["train", "--set", "run.steps=2", "--set", "eval.every=5"], "error"),
         C("--set without =", "config", ["train", "--set", "optim.lr"], "error"),
         C("minibatch that does not divide", "config", ["train", "--set", "optim.minibatch_size=3"], "error"),
         C("float16 training", "config", [*t, *new_run("f16"), "--set", "model.dtype=float16"], "error"),
@@ -304,6 +313,11 @@ def cases(s: dict) -> list[Case]:
         C("generate --adapter with a flipped bit", "inference", ["generate", "--adapter", s["flipped"], "--prompt",
                                                                  "hi"], "error"),
         C("generate --n 0", "inference", ["generate", "--prompt", "hi", "--n", "0"], "error"),
+        C("generate with rollout.tools set (says it calls none)", "inference",
+          ["generate", "--prompt", "hi", "--max-new-tokens", "4", "--set", "rollout.tools=[docuchat_rl.toolbox.calculate]"],
+          "ok"),
+        C("eval --json with a reward that prints", "inference",
+          ["eval", *sets("rewards=[{name: correctness}, {name: 'tests.user_rewards:chatty'}]")], "ok"),
         C("generate --adapter of an old hf-engine checkpoint", "inference",
           ["generate", "--adapter", s["old_ckpt"], "--prompt", "hi", "--max-new-tokens", "4"], "ok"),
         C("generate into a pipe closed early (| head)", "inference", [], "ok",
@@ -339,6 +353,10 @@ def cases(s: dict) -> list[Case]:
           "error", [run]),
         C("rescore --out onto an existing file", "tools", ["rescore", run, "--out", r / "notes.txt"], "error",
           [r / "notes.txt"]),
+        C("rescore --out through a dangling link", "tools", ["rescore", run, "--out", r / "dangling.jsonl"], "error",
+          check=lambda s: "wrote through the link" if (s["root"] / "gone").exists() else None),
+        C("audit --accuracy of a component the traces lack", "tools", ["audit", run, "--accuracy", "nosuch"],
+          "error"),
         C("rescore with rewards.strict and a failing reward", "tools",
           ["rescore", run, "--set", "rewards=[{name: correctness}, {name: 'tests.user_rewards:raises'}]", "--set",
            "rewards.strict=true"], "error"),

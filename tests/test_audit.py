@@ -355,3 +355,26 @@ def test_tool_columns_filters_and_detectors(tmp_path):
     with TraceStore([write(tmp_path / "single.jsonl", clean_run(2))]) as store:  # single-turn: no tool checks
         assert store.count("tool_calls = 0") == store.rows
         assert not {f.check for f in store.detect(bins=2)} & {"tool_answer_copied", "tool_errors", "tool_use_dropped"}
+
+
+@pytest.mark.parametrize("other", ["metrics", "eval", "trainer_state"])
+def test_a_file_that_is_not_traces_is_refused_by_the_audit_and_rescore_naming_why(tmp_path, other):
+    """A run's other JSON files are objects too: each is said to be no trace file, never summarised as
+    records without components."""
+    from docuchat_rl.errors import ReplayError
+    from docuchat_rl.tools.replay import rescore
+
+    lines = {"metrics": [{"step": 1, "reward/mean": 0.5, "loss": 0.1}],
+             "eval": [{"rows": 8, "accuracy": 0.5, "format_rate": 1.0}],
+             "trainer_state": [{"global_step": 3, "data": {"epoch": 0, "position": 8}}]}[other]
+    path = write(tmp_path / f"{other}.jsonl", lines)
+    with pytest.raises(AuditError, match=rf"{other}.jsonl: no trace lines \(1 lines skipped; line 1: field \w+ is "
+                                         "missing: not a trace line\\)"):
+        TraceStore([path])
+    from docuchat_rl.config import load_config
+
+    with pytest.raises(ReplayError, match="no trace lines"):
+        rescore(path, load_config(None))
+    write(path, [*lines, rec(1, 0, 0, 0, 1.0, 1.0)])  # one trace line among them: read, the other skipped
+    with TraceStore([path]) as store:
+        assert store.rows == 1 and len(store.malformed) == 1

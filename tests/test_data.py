@@ -3,6 +3,8 @@
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from docuchat_rl.data import DataError, load_examples, reasoning_target, render_prompt
 from rewards.correctness import gold_of
@@ -261,3 +263,19 @@ def test_rewards_see_the_answer_column_as_written_beside_the_final_answer():
     first_step = raw[0].split("\n")[0].split(" = <<")[0] + " = " + raw[0].split(">>")[1].split("\n")[0]
     scores = build_reward("gold_steps")(["Q"] * 3, [first_step, first_step, "nothing"], **cols)
     assert scores[0] == 1 / raw[0].count("<<") and scores[2] == 0.0  # one of its steps reached; none
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(answers=st.lists(st.sampled_from([None, "", "  ", "#### 4", "7", "Paris"]), min_size=1, max_size=8))
+def test_an_answer_column_without_a_value_in_any_row_is_refused(tmp_path, answers):
+    """A column without values (all null or blank): every answer-reading reward would score None on every
+    row and the run would train on format alone, without a word. Refused naming the column; a column with
+    at least one answer loads."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"question": f"Q{i}?", "answer": a}) + "\n" for i, a in enumerate(answers)))
+    if not any(a and a.strip() for a in answers):
+        with pytest.raises(DataError, match=r"column 'answer' \(data.answer_column\) holds no answer in any of its"):
+            load_examples(str(path), "train", "question", "answer")
+    else:
+        rows = load_examples(str(path), "train", "question", "answer")
+        assert [r.answer for r in rows] == [("4" if a == "#### 4" else (a or "").strip()) for a in answers]

@@ -177,6 +177,38 @@ def test_a_server_that_never_answers_ends_the_run_in_one_line_after_timeout_s(tm
     assert time.time() - t0 < 60
 
 
+@pytest.mark.parametrize("status", [404, 200])
+def test_a_web_server_that_answers_with_a_page_is_one_short_line(tmp_path, status):
+    """Not a vLLM server: an HTML page (an error page, or a site's 200) is named by its title, on one line."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from docuchat_rl.errors import TrainingError
+    from docuchat_rl.trainer import Trainer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = ("<!DOCTYPE html>\n<html>\n<head>\n<title>Welcome to nginx!</title>\n</head>\n<body>\n"
+                    + "<p>line</p>\n" * 9 + "</body>\n</html>\n").encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    web = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{web.server_address[1]}"
+    try:
+        with pytest.raises(TrainingError, match=r"an HTML page: Welcome to nginx!") as e:
+            Trainer(cfg_for(tmp_path, url))
+    finally:
+        web.shutdown()
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
 # ------------------------------------------------------------------------------------- with servers
 
 

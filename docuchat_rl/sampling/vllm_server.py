@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import shutil
 import time
 import urllib.error
@@ -57,6 +58,22 @@ class ServerError(TrainingError):
     """A vLLM server that cannot serve the run: the message names the URL and what to change."""
 
 
+def one_line(text: str, most: int = 200) -> str:
+    """A server's answer that is not JSON as one short line: an HTML page by its title (else its text without
+    tags), any text with its whitespace collapsed.
+
+    >>> one_line("<html>\\n<head><title>404 Not Found</title></head>\\n<body>\\n<h1>Not Found</h1>\\n</body></html>")
+    'an HTML page: 404 Not Found'
+    >>> one_line("Bad Gateway\\n\\nupstream   gone")
+    'Bad Gateway upstream gone'
+    """
+    title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S)
+    if title or re.match(r"\s*<(!doctype|html)", text, re.I):
+        body = title.group(1) if title else re.sub(r"<[^>]+>", " ", text)
+        return "an HTML page: " + " ".join(body.split())[:most]
+    return " ".join(text.split())[:most]
+
+
 def _call(url: str, path: str, body: dict | None, timeout: float) -> dict | str:
     """One HTTP call to a vLLM server (GET without a body) -> its JSON (or text) answer; raises ServerError
     with the server's own message, or with what went wrong on the way."""
@@ -70,7 +87,7 @@ def _call(url: str, path: str, body: dict | None, timeout: float) -> dict | str:
         try:
             message = json.loads(raw)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            message = raw.strip()[:300] or e.reason
+            message = one_line(raw) or e.reason
         raise ServerError(f"HTTP {e.code}: {message}") from None
     except (urllib.error.URLError, ConnectionError) as e:
         raise ServerError(f"no answer ({getattr(e, 'reason', e)})") from None
@@ -122,7 +139,10 @@ class VLLMServer(Engine):
         except ServerError as e:
             raise ServerError(f"rollout.vllm.server_base_url {url}: {e}; start the server first (docuchat-rl serve "
                               "prints its command)") from None
-        served = [m for m in models.get("data", []) if not m.get("parent")] if isinstance(models, dict) else []
+        if not isinstance(models, dict):  # (a web server that is not vLLM's answers with a page)
+            raise ServerError(f"rollout.vllm.server_base_url {url}: /v1/models answered {one_line(str(models))!r}, "
+                              "not vLLM's JSON: is the URL a vLLM server?")
+        served = [m for m in models.get("data", []) if not m.get("parent")]
         names = {m.get("id") for m in served} | {m.get("root") for m in served}
         if not any(n == want or (n and Path(n).resolve() == Path(want).resolve()) for n in names):
             raise ServerError(f"the vLLM server {url} serves {sorted(n for n in names if n)}, not model.name_or_path "

@@ -88,6 +88,9 @@ _JSON_TYPES = {"BIGINT": ("BIGINT", "UBIGINT"), "DOUBLE": ("DOUBLE", "BIGINT", "
 _NUMBER = ("DOUBLE", "BIGINT", "UBIGINT", "NULL")
 
 
+REQUIRED = ("step", "prompt_id", "completion", "rewards", "total")  # what every trace line holds (traces.py)
+
+
 def _first_mistyped() -> str:
     """An SQL expression over a trace line `j`: why its first mistyped field is wrong, or NULL."""
     def kind(path: str) -> str:
@@ -96,7 +99,8 @@ def _first_mistyped() -> str:
     def one_of(kinds) -> str:
         return ", ".join(_lit(k) for k in kinds)
 
-    cases = []
+    cases = [f"WHEN json_type(j, {_lit('$.' + _json_key(name))}) IS NULL THEN 'field {name} is missing: not a trace line'"
+             for name in REQUIRED]  # (another file of the run, metrics.jsonl say, is not read as traces)
     for name, sql_type in BASE_COLUMNS.items():
         allowed = _JSON_TYPES.get(sql_type)
         if allowed is not None:
@@ -196,6 +200,11 @@ class TraceStore:
         self.con.execute(f"CREATE TABLE traces AS SELECT source, lineno, {', '.join(cols)} FROM good")
         self.con.execute("DROP TABLE good")
         self.rows = self.con.execute("SELECT count(*) FROM traces").fetchone()[0]
+        if not self.rows and self.malformed:  # (input that is not what the audit reads: said, never summarised)
+            first = self.malformed[0]
+            self.close()
+            raise AuditError(f"{first['source']}: no trace lines ({len(self.malformed)} lines skipped; line "
+                             f"{first['line']}: {first['why']})")
         self.con.execute("SET enable_external_access=false")
         self.con.execute("SET lock_configuration=true")
 
