@@ -303,11 +303,22 @@ def _config_for(args):
     from .config import config_from_dict, load_config
     from .tools.inference import config_of_checkpoint
 
-    if args.config is None and getattr(args, "adapter", None):
-        raw = config_of_checkpoint(args.adapter)
-        if raw is not None:
-            return config_from_dict(raw, args.overrides)
-    return load_config(args.config, args.overrides)
+    adapter = getattr(args, "adapter", None)
+    raw = config_of_checkpoint(adapter) if adapter else None
+    if args.config is None and raw is not None:
+        return config_from_dict(raw, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    trained_on = ((raw or {}).get("model") or {}).get("name_or_path")
+    named = cfg.model.name_or_path
+    same = trained_on == named or (Path(trained_on or "").exists() and Path(named).exists()
+                                   and Path(trained_on).resolve() == Path(named).resolve())
+    if trained_on and not same:  # (one name from two sources: never pick one silently)
+        from .config import ConfigError
+
+        raise ConfigError(f"--adapter {adapter} was trained on model {trained_on!r}, and the recipe here names "
+                          f"{cfg.model.name_or_path!r}: leave out --config to use the adapter's own recipe, or "
+                          f"--set model.name_or_path={trained_on}")
+    return cfg
 
 
 def _sampling(args, rollout) -> dict:

@@ -319,3 +319,17 @@ def test_what_a_plugin_prints_never_reaches_a_commands_machine_output(tmp_path, 
     else:
         assert all(json.loads(line) for line in out.splitlines())
     assert "scoring" not in out and "scoring" in err
+
+
+def test_an_adapter_and_a_recipe_naming_different_models_is_one_line(tmp_path, capsys):
+    """The model named by two sources (the adapter's own recipe, --config): never one picked silently."""
+    run = tmp_path / "run"
+    assert main(["train", "--set", "run.steps=1", "--set", f"run.output_dir={run}", "--set", "rollout.prompts_per_step=2",
+                 "--set", "rollout.num_generations=2", "--set", "rollout.max_new_tokens=4",
+                 "--set", "eval.before_and_after=false", "--set", "logging.progress=false"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--adapter", str(run), "--config", str(ROOT / "config/smollm2.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "was trained on model 'data/model', and the recipe here names" in err and "\n" not in err
+    assert main(["eval", "--adapter", str(run), "--config", str(ROOT / "config/default.yaml"), "--set",
+                 f"model.name_or_path={ROOT / 'data' / 'model'}", "--set", "eval.limit=2"]) == 0  # (the same folder)
