@@ -231,7 +231,7 @@ def resolve_adapter(path: str | Path) -> Path:
 # checkpoint's run_config.json (the recipe of record) cannot both honour: refused, naming the key.
 RESUME_APPLIED = ("run.output_dir", "run.threads", "run.overwrite", "model.device", "model.gradient_checkpointing",
                   "lora.fused", "rollout.generation_batch_size", "rollout.engine", "rollout.grouped_decode",
-                  "rollout.cuda_graphs", "rollout.compile_decode",
+                  "rollout.cuda_graphs", "rollout.compile_decode", "rollout.fused_projections",
                   "rollout.merge_adapter", "rollout.vllm", "rollout.async_worker_threads", "rollout.async_timeout_s",
                   "optim.micro_batch_size", "optim.share_prompt",
                   "optim.length_buckets", "optim.logit_chunk", "optim.max_nonfinite_steps", "rewards.timeout_s",

@@ -61,10 +61,21 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=NON_NEGATIVE, default=None, help="top-k, 0 = off (implies --sample)")
 
 
+def _version() -> str:
+    """The installed package's version (importlib.metadata: the one number, pyproject.toml's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("docuchat-rl")
+    except PackageNotFoundError:  # (run from a checkout that was never installed)
+        return "unknown (not installed)"
+
+
 def parser() -> argparse.ArgumentParser:
     """The `docuchat-rl` argument parser: one sub-command per job."""
     ap = argparse.ArgumentParser(prog="docuchat-rl", description="Teach small language models to reason with RL "
                                  "(GRPO; PPO and A2C) on LoRA adapters, with traced rewards.")
+    ap.add_argument("--version", action="version", version=f"docuchat-rl {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a LoRA adapter with RL; evaluates before and after")
     _common(t)
@@ -310,9 +321,9 @@ def _config_for(args):
     cfg = load_config(args.config, args.overrides)
     trained_on = ((raw or {}).get("model") or {}).get("name_or_path")
     named = cfg.model.name_or_path
-    same = trained_on == named or (Path(trained_on or "").exists() and Path(named).exists()
-                                   and Path(trained_on).resolve() == Path(named).resolve())
-    if trained_on and not same:  # (one name from two sources: never pick one silently)
+    same = not trained_on or trained_on == named or (Path(trained_on).exists() and Path(named).exists()
+                                                     and Path(trained_on).resolve() == Path(named).resolve())
+    if not same:  # (one name from two sources: never pick one silently)
         from .config import ConfigError
 
         raise ConfigError(f"--adapter {adapter} was trained on model {trained_on!r}, and the recipe here names "

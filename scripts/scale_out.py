@@ -35,7 +35,7 @@ def run(procs: int, a, out: Path) -> dict:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", a.accelerate_config,
                     "--num_processes", str(procs)]
     sets = [f"run.output_dir={out}", f"run.steps={a.steps}", f"run.threads={a.threads}", "logging.progress=false",
-            "eval.before_and_after=false", f"checkpoint.every={a.steps}", *a.overrides]
+            "eval.before_and_after=false", "eval.every=null", f"checkpoint.every={a.steps}", *a.overrides]
     cmd = [*launcher, "-m", "docuchat_rl", "train", "--config", str(ROOT / a.config),
            *[x for s in sets for x in ("--set", s)]]
     proc = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True,

@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("runs/trl_quickstart"))
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     a = ap.parse_args()
-    sets = [f"run.steps={a.steps}", f"run.output_dir={a.out}", "data.test=null", "checkpoint.every=1000",
+    sets = [f"run.steps={a.steps}", f"run.output_dir={a.out}", "data.test=null", "eval.every=null", "checkpoint.every=1000",
             "rewards=[{name: 'scripts/trl_quickstart.py:reward_len'}]", "rewards.accuracy_component=null", *a.set]
     if a.out.exists():
         import shutil

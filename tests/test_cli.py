@@ -333,3 +333,12 @@ def test_an_adapter_and_a_recipe_naming_different_models_is_one_line(tmp_path, c
     assert "was trained on model 'data/model', and the recipe here names" in err and "\n" not in err
     assert main(["eval", "--adapter", str(run), "--config", str(ROOT / "config/default.yaml"), "--set",
                  f"model.name_or_path={ROOT / 'data' / 'model'}", "--set", "eval.limit=2"]) == 0  # (the same folder)
+
+
+def test_version_is_the_installed_packages(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"docuchat-rl {version('docuchat-rl')}"
+    assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")

@@ -214,6 +214,12 @@ def test_auto_switches_are_decided_per_device_and_explicit_values_win():
     for override in ("rollout.cuda_graphs=false", "rollout.engine=hf"):
         with pytest.raises(ValueError, match="rollout.compile_decode compiles the static decode step: it needs"):
             load_config(ROOT / "config/default.yaml", ["rollout.compile_decode=true", override])
+        with pytest.raises(ValueError, match="rollout.fused_projections fuses the static decode step's projections"):
+            load_config(ROOT / "config/default.yaml", ["rollout.fused_projections=true", override])
+    fused = load_config(ROOT / "config/default.yaml", ["rollout.fused_projections=true"])
+    assert fused.for_device("cuda").rollout.cuda_graphs is True
+    with pytest.raises(ConfigError, match="rollout.fused_projections .* off on cpu: set rollout.cuda_graphs=true"):
+        fused.for_device("cpu")
 
 
 @pytest.mark.parametrize("override,says", [

@@ -7,7 +7,8 @@ import torch
 from docuchat_rl.config import DEFAULT_SYSTEM_PROMPT
 from docuchat_rl.data import load_examples, render_prompt
 from docuchat_rl.modeling import eos_ids, load_model_and_tokenizer, warpers
-from docuchat_rl.sampling.generation import completion_texts, generate, inverse_cdf, sample
+from docuchat_rl.sampling.draw import DRAW_BLOCK, block_draw
+from docuchat_rl.sampling.generation import completion_texts, generate, sample
 
 from .conftest import MODEL, TASK
 
@@ -100,8 +101,8 @@ def test_sampler_log_probs_are_those_of_the_warped_distribution(temperature, top
 @pytest.mark.parametrize("head", [0.99, 0.9999])
 def test_sampler_gives_every_token_of_a_150k_vocabulary_its_own_probability(head):
     """V = 151,936 with `head` of the mass on one token: each tail token (6.6e-8 or 6.6e-10, at or below
-    one float32 step of a CDF near 1) must own a draw interval of exactly its probability. The midpoint
-    of each token's exact interval must draw that token, for all V tokens."""
+    one float32 step of a CDF near 1) must own a draw interval of exactly its probability: the midpoint of
+    each token's exact interval draws that token (tried on the blocks' edges and 1,024 tail tokens)."""
     v = 151_936
     q = (1 - head) / (v - 1)
     logits = torch.full((1, v), float(torch.tensor(q, dtype=torch.float64).log()), dtype=torch.float64)
@@ -109,12 +110,50 @@ def test_sampler_gives_every_token_of_a_150k_vocabulary_its_own_probability(head
     probs = logits.softmax(-1)  # float64
     idx = torch.arange(v, dtype=torch.float64)
     mids = torch.where(idx == 0, torch.tensor(head / 2, dtype=torch.float64), head + (idx - 0.5) * q)  # [V]
-    drawn = inverse_cdf(probs, mids.unsqueeze(0))[0]
-    assert torch.equal(drawn, torch.arange(v))  # every token reachable, in its own exact interval
+    # every token reachable in its own exact interval: the head, the first and last tokens of blocks 0, 1 and
+    # the last (where the two levels meet), and 1,024 tail tokens at random (a draw reads the whole row)
+    edges = [t for b in (0, 1, v // DRAW_BLOCK) for t in (b * DRAW_BLOCK - 1, b * DRAW_BLOCK, b * DRAW_BLOCK + 1)]
+    picked = torch.cat([torch.tensor([t for t in edges if 0 <= t < v]),
+                        torch.randint(1, v, (1024,), generator=torch.Generator().manual_seed(0)), torch.tensor([v - 1])])
+    for part in picked.split(256):
+        assert torch.equal(block_draw(logits.float().expand(len(part), v), mids[part, None])[0][:, 0], part)
     # what a float32 CDF (the previous sampler) does: tail steps of 0 or one ulp instead of q
     cdf32 = probs.float().cumsum(-1)[0]
     step = (cdf32[1:] - cdf32[:-1]).double()  # [V - 1]
     assert ((step - q).abs() / q).max() > 0.5  # some tail token's probability is off by more than 50%
+
+
+def _whole_cdf_draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The reference: a float64 softmax and cumulative sum over the whole vocabulary, the first token whose
+    cumulative probability exceeds u (the sampler's draw before round 4)."""
+    probs = logits.double().softmax(-1)  # [R, V]
+    cdf = probs.cumsum(-1)  # [R, V]
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
+
+
+@pytest.mark.parametrize("v", [1_024, 49_152, 151_936])
+def test_the_block_draw_draws_the_whole_vocabularys_float64_cdf_tokens_from_the_same_uniforms(v):
+    """Logits as a model's (a peaked head, a long tail), plain, with top-k / top-p removing tokens: 6,144 draws
+    each, every one the token the whole-vocabulary float64 inverse CDF draws from the same uniform, its
+    log-prob that token's float64 log-probability; a distribution of one possible token always draws it."""
+    from docuchat_rl.modeling import warpers
+
+    g = torch.Generator().manual_seed(v)
+    for processors in ([], warpers(1.0, 50, 1.0), warpers(0.7, 0, 0.9)):
+        logits = torch.randn(64, v, generator=g) * 3  # [64, V]
+        logits[:, :8] += 6  # (a head of a few likely tokens)
+        for proc in processors:
+            logits = proc(None, logits)
+        probs = logits.double().softmax(-1)  # [64, V] the reference: the whole CDF in float64
+        cdf = probs.cumsum(-1)
+        for _ in range(32):
+            u = torch.rand(64, 1, generator=g, dtype=torch.float64)
+            token, logp = block_draw(logits, u)
+            assert torch.equal(token, torch.searchsorted(cdf, u * cdf[:, -1:], right=True))
+            assert torch.allclose(logp.double(), probs.gather(-1, token).log(), atol=1e-6)
+    one = torch.full((2, v), float("-inf"))
+    one[:, v // 2] = 0.0
+    assert block_draw(one, torch.tensor([[0.0], [0.999999]], dtype=torch.float64))[0].flatten().tolist() == [v // 2] * 2
 
 
 def test_sliding_window_model_falls_back_to_a_growing_cache_and_matches(tiny):

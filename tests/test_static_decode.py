@@ -92,6 +92,33 @@ def test_static_decode_runs_lora_merged_or_not_and_sees_new_weights(tiny):
     assert max(abs(a - b) for x, y in zip(after.logps, before.logps) for a, b in zip(x, y)) > 1e-3
 
 
+@pytest.mark.parametrize("arch", ["llama-gqa-bias", "qwen2"])
+def test_fused_projections_sample_what_the_fast_loop_samples_merged_or_plain_and_fall_back_unmerged(tiny, arch):
+    """rollout.fused_projections: q/k/v as one matmul and gate/up as one (biases included: Qwen2's q/k/v have
+    them) samples the dynamic loop's tokens and log-probs on the plain model and with the adapter merged
+    (its weights read fresh after they change); with unmerged LoRA layers the step calls them one by one."""
+    from docuchat_rl.modeling import merged_adapter
+
+    _, tok = tiny
+    model = _model(tok, arch)
+    prompts = _prompts(tok, 3)
+    kw = dict(max_new_tokens=20, do_sample=True, num_return_sequences=4, row_seeds=_seeds(3, 4), temperature=1.2)
+    _same(generate(model, tok, prompts, cuda_graphs=True, fused_projections=True, **kw), generate(model, tok, prompts, **kw))
+    decoder = static_decode._DECODERS[model]
+    assert decoder.qkv is not None and len(decoder.gate_up) == len(model.model.layers)
+    assert decoder.qkv[0].weight.shape[0] == sum(m.out_features for m in (
+        model.model.layers[0].self_attn.q_proj, model.model.layers[0].self_attn.k_proj,
+        model.model.layers[0].self_attn.v_proj))
+    lora = with_lora(model, ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]).eval()
+    unmerged = generate(lora, tok, prompts, cuda_graphs=True, fused_projections=True, **kw)
+    assert static_decode._DECODERS[lora].qkv is None  # (unmerged adapters: the projections one by one)
+    _same(unmerged, generate(lora, tok, prompts, **kw))
+    with merged_adapter(lora):
+        merged = generate(lora, tok, prompts, cuda_graphs=True, fused_projections=True, **kw)
+        assert static_decode._DECODERS[lora].qkv is not None
+    _same(merged, unmerged, atol=1e-4)
+
+
 def test_models_the_static_step_does_not_cover_decode_as_before(tiny):
     _, tok = tiny
     model = _model(tok, "gemma2")

@@ -26,7 +26,8 @@ FAST = ["rollout.prompts_per_step=2", "rollout.num_generations=4", "rollout.max_
         "logging.progress=false", "eval.before_and_after=false", "run.threads=2"]
 TRACE_KEYS = {"run_id", "step", "prompt_id", "group", "sample", "used", "prompt", "completion", "gold", "slot", "seed",
               "completion_ids", "policy_version", "adapter_sha256", "sampling", "versions",
-              "completion_tokens", "truncated", "rewards", "total", "total_missing", "advantage", "turns"}
+              "completion_tokens", "truncated", "rewards", "total", "total_missing", "advantage", "turns",
+              "observation"}
 
 
 def cfg_for(tmp_path, *extra):

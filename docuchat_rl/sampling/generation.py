@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..modeling import base_model, cache_of, eos_ids, in_compute_context, position_ids, warpers, with_cache
+from .draw import block_draw
 from .grouped_decode import GroupedSteps, additive_mask, covers, plain_full_attention, supports
 from .static_decode import static_chunk
 
@@ -85,21 +86,6 @@ def completion_texts(tokenizer, completions: list[list[int]], stop: list[int]) -
                                   skip_special_tokens=True)
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Token drawn by each uniform: the first index whose cumulative probability exceeds u.
-
-    probs [R, V] float64, u [R, K] in [0, 1) float64 -> [R, K]. Float64 throughout: near a CDF value of 1
-    a float32 step is 6e-8, so with a 150k vocabulary most tail tokens would get a zero (never drawn) or
-    a one-ulp step; in float64 every token's interval is its probability to ~1e-16. A zero-probability
-    token has an empty interval and is never chosen.
-
-    >>> inverse_cdf(torch.tensor([[0.5, 0.0, 0.5]], dtype=torch.float64), torch.tensor([[0.2, 0.7]], dtype=torch.float64))
-    tensor([[0, 2]])
-    """
-    cdf = probs.cumsum(-1)  # [R, V]
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)  # [R, K]
-
-
 def row_uniforms(seeds: list[int], steps: int, device) -> torch.Tensor:
     """Each row's own stream of uniforms: [R, steps] float64, row r drawn from a generator seeded with
     seeds[r], so a row's draws depend on its seed alone, not on the batch it is sampled in."""
@@ -112,9 +98,9 @@ def sample(logits: torch.Tensor, do_sample: bool, processors: list | None = None
     """One token per row from last-position logits [R, V] (greedy when not `do_sample`), with its log-prob.
 
     Sampling applies `processors` (see `warpers`) and draws with one uniform per row (`uniforms` [R, 1]
-    float64, else from torch's global generator) through the float64 CDF (a draw per vocabulary entry,
-    as `multinomial` and the Gumbel trick do, costs more than a layer of the embedded model). The
-    log-prob is the sampler's own: under the warped distribution.
+    float64, else from torch's global generator) through the inverse CDF (`block_draw`; a draw per
+    vocabulary entry, as `multinomial` and the Gumbel trick do, costs more than a layer of the embedded
+    model). The log-prob is the sampler's own: under the warped distribution.
     """
     logits = logits.float()
     if not do_sample:
@@ -122,11 +108,10 @@ def sample(logits: torch.Tensor, do_sample: bool, processors: list | None = None
         return Draw(tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1))
     for proc in processors or []:
         logits = proc(None, logits)  # [R, V], removed tokens at -inf
-    probs = logits.double().softmax(-1)  # [R, V] float64
-    u = uniforms if uniforms is not None else torch.rand(probs.shape[0], 1, device=probs.device,
+    u = uniforms if uniforms is not None else torch.rand(logits.shape[0], 1, device=logits.device,
                                                           dtype=torch.float64)  # [R, 1]
-    tokens = inverse_cdf(probs, u).squeeze(-1)  # [R]
-    return Draw(tokens, probs.gather(-1, tokens[:, None]).squeeze(-1).log().float())
+    tokens, logps = block_draw(logits, u)  # [R, 1] each
+    return Draw(tokens.squeeze(-1), logps.squeeze(-1))
 
 
 @functools.cache
@@ -222,20 +207,20 @@ class _ModelSteps:
 
 def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
                 processors, stop, pad, uniforms=None, lockstep=None,
-                grouped: bool = True, static: bool = False, compiled: bool = False
+                grouped: bool = True, static: bool = False, compiled: bool = False, fused: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
     and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
     while any process still has a row to finish. `grouped`: decode with `grouped_decode.GroupedSteps`
     where the model is one it covers; `static`: with `static_decode.static_chunk` (CUDA graphs on a GPU),
-    its step compiled by torch.compile when `compiled`."""
+    its step compiled by torch.compile when `compiled`, its projections fused when `fused`."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
                 use_cache=True, logits_to_keep=1)
     if static and lockstep is None and supports(model, cache_of(out)):
         return static_chunk(model, cache_of(out), out.logits[:, -1], attention_mask, repeats=repeats,
                             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
                             processors=processors, stop=stop, pad=pad, uniforms=uniforms, sample=sample,
-                            done_check_every=DONE_CHECK_EVERY, compiled=compiled)
+                            done_check_every=DONE_CHECK_EVERY, compiled=compiled, fused=fused)
     kind = GroupedSteps if grouped and lockstep is None and supports(model, cache_of(out)) else _ModelSteps
     decode = kind(model, cache_of(out), attention_mask, repeats, max_new_tokens)
     logits = out.logits[:, -1].repeat_interleave(repeats, 0)  # [R, V]
@@ -305,7 +290,7 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
              num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
              row_seeds: list[int] | None = None, lockstep=None, grouped_decode: bool = True,
-             cuda_graphs: bool = False, compile_decode: bool = False) -> Generation:
+             cuda_graphs: bool = False, compile_decode: bool = False, fused_projections: bool = False) -> Generation:
     """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
     `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only temperature, top-k and
     top-p shape the distribution, whatever the model's generation_config says. With `row_seeds` (one per
@@ -320,7 +305,8 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
     engine): decode those models at static shapes (static_decode.py), replayed as CUDA graphs on a GPU;
     there, a model they do not cover samples through transformers.generate (the hf engine), since our
     dynamic loop is launch-bound on a GPU (2.5-2.7x slower than generate on one H100: docs/performance.md).
-    `compile_decode` (with cuda_graphs): that static step compiled by torch.compile."""
+    `compile_decode` (with cuda_graphs): that static step compiled by torch.compile; `fused_projections`
+    (with cuda_graphs): its q/k/v and gate/up as one matmul each (grouped_decode.Fused)."""
     if engine not in ("fast", "hf", "vllm"):
         raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf, vllm")
     if engine == "vllm":  # a vLLM engine (vllm_engine.py) serves training rollouts only: evaluation, generate
@@ -362,7 +348,7 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                      do_sample=do_sample, processors=processors, stop=stop, pad=pad,
                                      uniforms=uniforms, lockstep=lockstep, grouped=grouped_decode,
-                                     static=cuda_graphs, compiled=compile_decode)
+                                     static=cuda_graphs, compiled=compile_decode, fused=fused_projections)
         else:
             new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
                                    min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,
@@ -412,7 +398,7 @@ class _LogpRecorder:
         if self.uniforms is None:
             return scores
         t = input_ids.shape[1] - self.prompt_len
-        token = inverse_cdf(self.last.double().exp(), self.uniforms[:, t:t + 1])  # [rows, 1]
+        token, _ = block_draw(self.last, self.uniforms[:, t:t + 1])  # [rows, 1]
         return torch.full_like(scores, float("-inf")).scatter(-1, token, 0.0)
 
     def finish(self, new: torch.Tensor) -> torch.Tensor:

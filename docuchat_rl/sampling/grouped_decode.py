@@ -33,19 +33,72 @@ from ..modeling import base_model
 LLAMA_LIKE = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "MistralDecoderLayer")
 
 
-def rotary_qkv(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, per_kv: int):
+def rotary_qkv(attn, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, per_kv: int,
+               fused: Fused | None = None):
     """One decode step's q [r, KV, n, D] and k, v [r, KV, 1, D] for normed inputs h [r, 1, hidden], the
     rotary embedding applied to q and k (the models' apply_rotary_pos_emb, per element; cos, sin
-    [r, 1, 1, D]). Query heads are grouped by the KV head they read, as the models' repeat_kv orders them."""
+    [r, 1, 1, D]). Query heads are grouped by the KV head they read, as the models' repeat_kv orders them.
+    `fused`: q, k and v as one matmul (`Fused.of` the three projections)."""
     r = h.shape[0]
-    q = attn.q_proj(h).view(r, -1, per_kv, head_dim)  # [r, KV, n, D]
-    k = attn.k_proj(h).view(r, -1, 1, head_dim)  # [r, KV, 1, D]
-    v = attn.v_proj(h).view(r, -1, 1, head_dim)
+    q, k, v = fused(h) if fused is not None else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+    q = q.view(r, -1, per_kv, head_dim)  # [r, KV, n, D]
+    k = k.view(r, -1, 1, head_dim)  # [r, KV, 1, D]
+    v = v.view(r, -1, 1, head_dim)
     # the models' own rotate_half (the same function in each covered model); imported here, not cached in
     # a functools wrapper, which torch.compile (rollout.compile_decode) traces through with a warning
     from transformers.models.llama.modeling_llama import rotate_half
 
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+class Fused:
+    """Several projections that read the same input as one matmul: their weights (and biases) concatenated
+    once, the output split back. Built only from layers whose forward is their weight's (a plain Linear, or
+    a LoRA layer whose adapter is merged into it); `of` gives None otherwise (an unmerged adapter adds its
+    own matmuls)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+        self.weight, self.bias, self.sizes = weight, bias, sizes  # [sum(sizes), in], [sum(sizes)] or None
+
+    @classmethod
+    def of(cls, layers: list) -> Fused | None:
+        plain = [_plain_linear(m) for m in layers]
+        if any(p is None for p in plain):
+            return None
+        weight = torch.cat([p.weight for p in plain])  # [sum(out), in]: one copy of these weights
+        biases = [p.bias for p in plain]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else p.weight.new_zeros(p.out_features) for b, p in zip(biases, plain)])
+        return cls(weight, bias, [p.out_features for p in plain])
+
+    def refresh(self, layers: list) -> None:
+        """The same buffers, the layers' current weights copied in (new merged weights, same addresses)."""
+        plain = [_plain_linear(m) for m in layers]
+        torch.cat([p.weight for p in plain], out=self.weight)
+        if self.bias is not None:
+            torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in plain],
+                      out=self.bias)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, -1)
+
+
+def _plain_linear(module):
+    """The nn.Linear whose forward is `module`'s: itself, or a LoRA layer's base layer when its adapters are
+    merged into it (or disabled); None when the module adds anything of its own."""
+    if type(module) is torch.nn.Linear:
+        return module
+    base = getattr(module, "base_layer", None)
+    if type(base) is torch.nn.Linear and (getattr(module, "merged", False) or getattr(module, "disable_adapters", False)
+                                          or not getattr(module, "active_adapters", None)):
+        return base
+    return None
+
+
+def fused_mlp(mlp, gate_up: Fused, x: torch.Tensor) -> torch.Tensor:
+    """A Llama-like MLP, down(act(gate(x)) * up(x)), with gate and up as one matmul."""
+    gate, up = gate_up(x)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def plain_full_attention(cache) -> bool:

@@ -152,7 +152,7 @@ def sample_rows(model, tokenizer, r: RolloutConfig, prompts: list[str] | list[li
                         num_return_sequences=num_generations or r.num_generations, engine=r.engine,
                         min_new_tokens=0 if max_new_tokens else r.min_new_tokens, row_seeds=seeds, lockstep=lockstep,
                         grouped_decode=r.grouped_decode, cuda_graphs=r.cuda_graphs,
-                        compile_decode=r.compile_decode)
+                        compile_decode=r.compile_decode, fused_projections=r.fused_projections)
 
 
 class Collector:

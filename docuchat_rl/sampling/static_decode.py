@@ -45,7 +45,8 @@ from dataclasses import dataclass
 import torch
 
 from ..modeling import base_model
-from .grouped_decode import additive_mask, rotary_qkv
+from .draw import block_draw
+from .grouped_decode import Fused, additive_mask, fused_mlp, rotary_qkv
 
 MIN_BUCKET = 8  # the smallest row bucket (below it a bucket's graph saves nothing worth a capture)
 PROMPT_BUCKET = 64  # prompt positions are allocated in multiples of this many tokens
@@ -75,6 +76,7 @@ class Shape:
     device: str
     dtype: torch.dtype  # the keys/values' dtype
     compiled: bool = False  # the step through torch.compile (rollout.compile_decode)
+    fused: bool = False  # q/k/v and gate/up as one matmul each (rollout.fused_projections)
 
 
 def _weights_key(model) -> tuple:
@@ -112,6 +114,9 @@ class StaticDecoder:
         self.out_tokens = torch.full((b, n + 1), pad, dtype=torch.long, device=dev)  # [B, N + 1]
         self.out_logps = torch.zeros(b, n + 1, device=dev)  # [B, N + 1]
         self.t = torch.zeros((), dtype=torch.long, device=dev)  # the completion position of tokens_in
+        self.qkv: list[Fused] | None = None  # per layer (rollout.fused_projections), when every layer fuses
+        self.gate_up: list[Fused] | None = None
+        self.fuse()
         self.columns = torch.arange(n, device=dev)  # [N]
         self.stop = torch.tensor(stop, device=dev)  # [S]
         self.ban = torch.zeros(lm.config.vocab_size if self.lm_head is None else self.lm_head.out_features,
@@ -132,6 +137,19 @@ class StaticDecoder:
             dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
             self._step = torch.compile(self.step, dynamic=False)
 
+    def fuse(self) -> None:
+        """With shape.fused, each layer's q/k/v and gate/up as one matmul (grouped_decode.Fused: a copy of
+        those weights, taken now, from the weights the step will read); none when a layer's projections
+        are not plain (an unmerged adapter): the step then calls them one by one."""
+        self.qkv = self.gate_up = None
+        if not self.shape.fused:
+            return
+        layers = self.decoder.layers
+        qkv = [Fused.of([x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj]) for x in layers]
+        gate_up = [Fused.of([x.mlp.gate_proj, x.mlp.up_proj]) for x in layers]
+        if all(f is not None for f in qkv + gate_up):
+            self.qkv, self.gate_up = qkv, gate_up
+
     # ---- the step: fixed shapes, no host reads, every output written into the buffers ----
 
     def step(self, b: int) -> None:
@@ -145,18 +163,16 @@ class StaticDecoder:
         where = (p + t).view(1)  # [1]: the buffer position written
         for i, layer in enumerate(self.decoder.layers):
             x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, mask, where, i, b)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))  # [b, 1, hidden]
+            h = layer.post_attention_layernorm(x)  # [b, 1, hidden]
+            x = x + (fused_mlp(layer.mlp, self.gate_up[i], h) if self.gate_up else layer.mlp(h))  # [b, 1, hidden]
         logits = self.lm_head(self.decoder.norm(x))[:, -1].float()  # [b, V]
         nxt = t + 1
         logits = logits.masked_fill(self.ban & (nxt < self.min_new), float("-inf"))  # no EOS before min_new_tokens
         if self.do_sample:
             for proc in self.processors:
                 logits = proc(None, logits)  # [b, V]
-            probs = logits.double().softmax(-1)  # [b, V] float64
             u = self.uniforms[:b].index_select(1, nxt.view(1))  # [b, 1]
-            cdf = probs.cumsum(-1)  # [b, V] (generation.inverse_cdf's draw, written out to stay in the graph)
-            drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)  # [b, 1]
-            logp = probs.gather(-1, drawn).log().float()  # [b, 1]
+            drawn, logp = block_draw(logits, u)  # [b, 1] each (fixed shapes, no host reads: in the graph)
         else:
             drawn = logits.argmax(-1, keepdim=True)  # [b, 1]
             logp = torch.log_softmax(logits, -1).gather(-1, drawn)  # [b, 1]
@@ -169,7 +185,8 @@ class StaticDecoder:
 
     def _attention(self, attn, h, cos, sin, mask, where, i: int, b: int) -> torch.Tensor:
         """One layer's attention output [b, 1, hidden] for normed inputs h [b, 1, hidden]."""
-        q, k, v = rotary_qkv(attn, h, cos, sin, self.head_dim, self.per_kv)  # [b, KV, n, D], [b, KV, 1, D] x2
+        q, k, v = rotary_qkv(attn, h, cos, sin, self.head_dim, self.per_kv,  # [b, KV, n, D], [b, KV, 1, D] x2
+                             self.qkv[i] if self.qkv else None)
         keys, values = self.keys[i][:b], self.values[i][:b]  # [b, KV, P + N, D]
         keys.index_copy_(2, where, k.to(keys.dtype))
         values.index_copy_(2, where, v.to(values.dtype))
@@ -229,6 +246,7 @@ def decoder_for(model, shape: Shape, **settings) -> StaticDecoder:
         if current.weights != weights:  # new weights (a merged adapter, a reload): the same buffers, new graphs
             current.graphs.clear()
             current.weights = weights
+            current.fuse()
         return current
     _DECODERS.pop(model, None)
     del current
@@ -238,12 +256,12 @@ def decoder_for(model, shape: Shape, **settings) -> StaticDecoder:
 
 def static_chunk(model, prefill_cache, first_logits: torch.Tensor, attention_mask: torch.Tensor, *, repeats: int,
                  max_new_tokens: int, min_new_tokens: int, do_sample: bool, processors: list, stop: list[int],
-                 pad: int, uniforms: torch.Tensor | None, sample, done_check_every: int, compiled: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 pad: int, uniforms: torch.Tensor | None, sample, done_check_every: int, compiled: bool = False,
+                 fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`generation._fast_chunk`'s decode at static shapes: completion ids and log-probs [U * repeats, steps]
     after the prefill (its cache and last logits [U, V]). `sample` is generation.sample, for the first token
     (drawn from the prefill's logits, outside the graph, as the dynamic loop draws it); `compiled`: the step
-    through torch.compile."""
+    through torch.compile; `fused`: its projections fused (StaticDecoder)."""
     u, lp = attention_mask.shape
     rows, n, device = u * repeats, max_new_tokens, attention_mask.device
     compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
@@ -254,7 +272,7 @@ def static_chunk(model, prefill_cache, first_logits: torch.Tensor, attention_mas
     prompt = max(-(-lp // PROMPT_BUCKET) * PROMPT_BUCKET, current.shape.prompt if current is not None else 0)
     sampling = (do_sample, tuple((type(p).__name__, tuple(sorted(vars(p).items()))) for p in processors),
                 min_new_tokens, tuple(stop), pad)
-    shape = Shape(rows_cap, prompt, n, sampling, str(device), dtype, compiled)
+    shape = Shape(rows_cap, prompt, n, sampling, str(device), dtype, compiled, fused)
     dec = decoder_for(model, shape, processors=processors, min_new_tokens=min_new_tokens, stop=stop, pad=pad,
                       do_sample=do_sample)
 

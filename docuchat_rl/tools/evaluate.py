@@ -140,7 +140,8 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
         with merged():
             return generate(model, tokenizer, texts, max_new_tokens=n, do_sample=False, batch_size=e.batch_size,
                             engine=r.engine, grouped_decode=r.grouped_decode, cuda_graphs=r.cuda_graphs,
-                            compile_decode=r.compile_decode, lockstep=lockstep)
+                            compile_decode=r.compile_decode, fused_projections=r.fused_projections,
+                            lockstep=lockstep)
 
     if multiturn is not None:  # the tool loop, greedy (a turn's seed draws nothing)
         gen = multiturn.sample(list(range(len(examples))), examples, [0] * len(examples), lambda _: greedy(prompts),
@@ -164,7 +165,8 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
                 return generate(model, tokenizer, texts, max_new_tokens=n, do_sample=True, temperature=r.temperature,
                                 top_p=r.top_p, top_k=r.top_k, batch_size=e.batch_size,
                                 num_return_sequences=per_prompt, engine=r.engine, grouped_decode=r.grouped_decode,
-                                cuda_graphs=r.cuda_graphs, compile_decode=r.compile_decode, row_seeds=row_seeds,
+                                cuda_graphs=r.cuda_graphs, compile_decode=r.compile_decode,
+                                fused_projections=r.fused_projections, row_seeds=row_seeds,
                                 lockstep=lockstep)
 
         with torch.random.fork_rng():  # eval must not shift the training run's random stream

@@ -89,7 +89,8 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
                        do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
                        batch_size=cfg.eval.batch_size, num_return_sequences=n, engine=cfg.rollout.engine,
                        grouped_decode=cfg.rollout.grouped_decode, cuda_graphs=cfg.rollout.cuda_graphs,
-                       compile_decode=cfg.rollout.compile_decode)
+                       compile_decode=cfg.rollout.compile_decode,
+                       fused_projections=cfg.rollout.fused_projections)
     texts = completion_texts(tok, gen.completion_ids, eos_ids(model, tok))
     rows = [e for e in examples for _ in range(n)]
     result = score(reward, rows, texts, gen) if reward is not None else None
@@ -141,7 +142,8 @@ def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[s
         gen = generate(model, tok, [prompt], max_new_tokens=max_new_tokens, do_sample=do_sample,
                        temperature=temperature, top_p=top_p, top_k=top_k, engine=cfg.rollout.engine,
                        grouped_decode=cfg.rollout.grouped_decode, cuda_graphs=cfg.rollout.cuda_graphs,
-                       compile_decode=cfg.rollout.compile_decode)
+                       compile_decode=cfg.rollout.compile_decode,
+                       fused_projections=cfg.rollout.fused_projections)
         reply = completion_texts(tok, gen.completion_ids, eos_ids(model, tok))[0].strip()
         messages.append({"role": "assistant", "content": reply})
         write(f"model> {reply}\n")
