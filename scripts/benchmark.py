@@ -467,9 +467,10 @@ def print_learning(a, evals: dict) -> None:
         d = diff[lo:n]
         if len(d) < 2:
             continue
+        spread = statistics.stdev(d) / len(d) ** 0.5
         print(f"    steps {lo + 1}-{n}: ours {statistics.mean(curves['ours'][lo:n]):.3f}, TRL "
               f"{statistics.mean(curves['trl'][lo:n]):.3f}, ours - TRL {cell(d)} "
-              f"({statistics.mean(d) / (statistics.stdev(d) / len(d) ** 0.5):+.1f} standard errors)")
+              + (f"({statistics.mean(d) / spread:+.1f} standard errors)" if spread else "(no spread: equal every step)"))
 
 
 def print_curve(result: dict, window: int = 5) -> None:

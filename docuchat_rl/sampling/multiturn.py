@@ -641,6 +641,8 @@ class MultiTurn:
                 if len(row) <= self.max_prompt_tokens:
                     break
                 cap -= len(row) - self.max_prompt_tokens
+            else:  # (no room even for the note: the prompt goes without the observation, traced as "")
+                text, row = "", tok(self.render(self.turns(e)), add_special_tokens=False)["input_ids"]
             shown.append(text)
             ids.append(row)
         return ids, shown
