@@ -195,6 +195,7 @@ def cmd_train(args, on_phase=None) -> int:
     from .trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    cfg.check_run()  # (settings that cannot take effect in a run this long; a replay of a finished run skips it)
     out, resume = Path(cfg.run.output_dir), shlex.join(_resume_command(args))
     got: list = []  # the signal that stopped a stage outside the loop (at_once), if any
     with at_once(got):  # (loading and evaluating: a signal stops at once, as nothing of the run is at stake)

@@ -518,13 +518,6 @@ class Config(Section):
         elif r.sharded_generation:
             raise ValueError("rollout.tools and rollout.environment_factory cannot be used with "
                              "rollout.sharded_generation (its processes decode in lockstep, turns differ per row)")
-        # settings that cannot take effect in this run (one rule: a period or a lag must fit inside run.steps)
-        if r.async_lag and r.async_lag >= self.run.steps:
-            raise ValueError(f"rollout.async_lag {r.async_lag} is not shorter than the run (run.steps "
-                             f"{self.run.steps}): every step would sample with the initial adapter")
-        if self.eval.every is not None and self.eval.every > self.run.steps:
-            raise ValueError(f"eval.every {self.eval.every} is longer than the run (run.steps {self.run.steps}): no "
-                             "evaluation would run inside it (eval.before_and_after evaluates at its ends)")
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")
@@ -532,6 +525,20 @@ class Config(Section):
         if problem:
             raise ValueError(problem)
         return self
+
+    def check_run(self) -> None:
+        """Refuse (ConfigError) settings that cannot take effect in a run of this length: a fixed lag not
+        shorter than run.steps (every step would sample with the initial adapter), eval.every past the last
+        step. Checked by `train` before anything starts, not when a recipe loads: a finished run's recipe
+        still loads for eval, generate, replay and rescore."""
+        r = self.rollout
+        if r.async_lag and r.async_lag >= self.run.steps:
+            raise ConfigError(f"rollout.async_lag {r.async_lag} is not shorter than the run (run.steps "
+                              f"{self.run.steps}): every step would sample with the initial adapter")
+        if self.eval.every is not None and self.eval.every > self.run.steps:
+            raise ConfigError(f"eval.every {self.eval.every} is longer than the run (run.steps {self.run.steps}): "
+                              "no evaluation would run inside it (eval.before_and_after evaluates at its ends); "
+                              "set eval.every=null or a shorter period")
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json")

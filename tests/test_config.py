@@ -288,15 +288,17 @@ def test_a_key_written_twice_inside_a_set_value_is_refused():
 @settings(max_examples=60, deadline=None)
 @given(steps=st.integers(1, 12), lag=st.integers(0, 14), every=st.one_of(st.none(), st.integers(1, 14)))
 def test_a_lag_or_an_evaluation_period_longer_than_the_run_is_refused(steps, lag, every):
-    """A setting that cannot take effect in this run is an error at load, never accepted: a fixed lag no
-    shorter than run.steps (every step would sample with the initial adapter), eval.every past the last step."""
+    """A setting that cannot take effect in this run is an error when the run starts, never accepted: a fixed
+    lag no shorter than run.steps (every step would sample with the initial adapter), eval.every past the
+    last step."""
     sets = [f"run.steps={steps}", f"rollout.async_lag={lag}", f"eval.every={'null' if every is None else every}"]
+    cfg = load_config(None, sets)  # (it loads: a finished run's recipe is read again by eval, replay, rescore)
     if lag >= steps and lag:
         with pytest.raises(ConfigError, match=rf"rollout.async_lag {lag} is not shorter than the run"):
-            load_config(None, sets)
+            cfg.check_run()
     elif every is not None and every > steps:
         with pytest.raises(ConfigError, match=rf"eval.every {every} is longer than the run"):
-            load_config(None, sets)
+            cfg.check_run()
     else:
-        cfg = load_config(None, sets)
+        cfg.check_run()
         assert (cfg.rollout.async_lag, cfg.eval.every, cfg.run.steps) == (lag, every, steps)

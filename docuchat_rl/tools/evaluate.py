@@ -96,7 +96,7 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
     rows = [r for r in rows if not r.reset_failed]  # (said once by reset_environments: not scored, not counted)
     if not rows and examples:
         raise ToolError(f"every one of the {len(examples)} held-out rows failed its environment's reset: "
-                              "nothing to evaluate")
+                        "nothing to evaluate")
     out: dict = {"rows": len(rows), "max_new_tokens": max_new}
     if failed:
         out["reset_failed"] = failed
