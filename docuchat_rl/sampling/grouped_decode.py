@@ -71,14 +71,6 @@ class Fused:
             [b if b is not None else p.weight.new_zeros(p.out_features) for b, p in zip(biases, plain)])
         return cls(weight, bias, [p.out_features for p in plain])
 
-    def refresh(self, layers: list) -> None:
-        """The same buffers, the layers' current weights copied in (new merged weights, same addresses)."""
-        plain = [_plain_linear(m) for m in layers]
-        torch.cat([p.weight for p in plain], out=self.weight)
-        if self.bias is not None:
-            torch.cat([p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in plain],
-                      out=self.bias)
-
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.nn.functional.linear(x, self.weight, self.bias).split(self.sizes, -1)
 
