@@ -78,6 +78,9 @@ class TraceRecord:
         return out
 
 
+REQUIRED = ("step", "prompt_id", "completion", "rewards", "total")  # what every trace line holds: a line without
+# one is another file's (a run's metrics.jsonl, say), never read as a trace (the audit, rescore, replay)
+
 NOT_RUN = ("max_turns", "max_tool_calls", "max_new_tokens")  # a traced call's errors when a limit kept it from
 # running (sampling/multiturn.py): neither a success nor the tool's failure
 

@@ -111,10 +111,12 @@ class Trainer:
     def prepare(self, rollout: Rollout) -> Batch:
         """This process's used groups as a batch on the training device (it may have none of them)."""
         if not rollout.groups_used:  # (without dynamic sampling only failed environment resets drop groups)
+            resets = "rollout.environment_factory's reset raised for every prompt (the warnings above say why)"
             raise TrainingError("dynamic sampling found no group with varied rewards in "
-                                f"{self.cfg.rollout.max_resample_rounds + 1} rounds" if self.cfg.rollout.dynamic_sampling
-                                else "no group of the step is left to train on: rollout.environment_factory's "
-                                     "reset raised for every prompt (the warnings above say why)")
+                                f"{self.cfg.rollout.max_resample_rounds + 1} rounds"
+                                + (f", or {resets}" if self.cfg.rollout.multi_turn else "")
+                                if self.cfg.rollout.dynamic_sampling
+                                else f"no group of the step is left to train on: {resets}")
         return rollout.batch(self.run.tokenizer.pad_token_id,
                              self.cfg.algorithm.mask_truncated_completions).to(self.dist.device)
 

@@ -562,7 +562,8 @@ def test_a_step_whose_every_reset_failed_names_the_resets_not_dynamic_sampling(t
     t.close()
 
 
-def test_generate_and_chat_say_they_call_no_tool(capsys):
+def test_generate_says_it_calls_no_tool(capsys):
+    """generate with the recipe's tools set answers in one turn and says so (chat shares the same check)."""
     from docuchat_rl.cli import main
 
     assert main(["generate", "--set", "rollout.tools=[tests.tool_envs.add]", "--prompt", "1 + 1?",

@@ -1,7 +1,7 @@
 """The draw: one token per row from its own uniform, through the inverse CDF of the sampler's distribution,
-without a scan or a normalised float64 copy of the whole vocabulary (`block_draw`). Shared by every engine of ours (the
-dynamic loop, the static step inside CUDA graphs, transformers.generate's processor), so that each draws
-the same token from the same uniform.
+without a scan or a normalised float64 copy of the whole vocabulary (`block_draw`). Shared by every engine
+of ours (the dynamic loop, the static step inside CUDA graphs, transformers.generate's processor), so that
+each draws the same token from the same uniform.
 
 Deliberately left out: Gumbel-max and `torch.multinomial` (a random number per vocabulary entry, and no
 uniform a replay can hand back).
@@ -22,8 +22,8 @@ def block_draw(logits: torch.Tensor, u: torch.Tensor, block: int = DRAW_BLOCK) -
     Why not that CDF itself: a float64 softmax and a float64 cumulative sum over [R, V] cost more than all
     of a layer's matmuls on a GPU (round 3's profile: 20% of a decoded token, the scan 60% of that), and
     float32 cannot hold it (near 1 its step is 6e-8: a 150k vocabulary's tail tokens would get empty or
-    one-ulp intervals; float32 exponentials would move the boundaries by ~1e-6 and draw another token once
-    in ~30,000 draws). Each row needs one block of the CDF: the float64 exponentials' sums per block (one
+    one-ulp intervals; float32 exponentials move the boundaries by ~1e-6: tried, they drew another token
+    once in 36,864 draws at V = 49,152). Each row needs one block of the CDF: the float64 exponentials' sums per block (one
     reduction over the vocabulary, no scan, no normalised copy), the block its target falls in, then that
     block's own cumulative sum in float64 from the sums before it. The numbers are the whole CDF's, summed
     in another order (a difference in the last of float64's bits), so the draws are its draws

@@ -19,7 +19,8 @@ fixed length, the same completions (docs/performance.md).
 Applies to decoder layers whose structure is Llama's exactly (pre-norm, rotary q/k, full attention,
 `x + attn(norm(x))`, `x + mlp(norm(x))`): `LLAMA_LIKE` names them. Deliberately left out (those decode
 through the model's own forward): sliding-window and other non-full attention, q/k norms (Qwen3),
-soft-capping and scaled embeddings (Gemma), fused projections (Phi-3), GPT-2, and sharded weights (FSDP2's
+soft-capping and scaled embeddings (Gemma), models whose projections are one module (Phi-3's qkv_proj;
+`Fused` here joins separate ones for the static step), GPT-2, and sharded weights (FSDP2's
 hooks gather a layer's weights in its forward, which this step does not call).
 """
 

@@ -422,6 +422,7 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
     whose log-probs are 0), the turns and the conversations (TRL's conversational completions)."""
     tok = protocol.tokenizer
     rows = [RowState(first.prompt_ids[r], seeds[r], tools[r]) for r in range(len(seeds))]
+    frames: dict[tuple, int] = {}  # tool names -> tokens of their empty results' framing (rendered once)
     for row, ids, logps, cut in zip(rows, first.completion_ids, first.logps, first.truncated):
         _add_turn(row, ids, logps, cut, protocol.turn_text(ids))
     for turn in range(1, limits.max_turns + 1):
@@ -440,8 +441,10 @@ def run_turns(first: Generation, more: Callable[[list[list[int]], list[int], int
                         c.result, c.error = f"Error: not run ({stop} reached)", stop
                 last.ended, row.done = stop, True
                 continue
-            if limits.max_new_tokens - len(row.ids) - len(protocol.result_ids(
-                    [(c.name or "tool", "") for c in last.calls])) < 1:  # not even empty results fit: none run
+            names = tuple(c.name or "tool" for c in last.calls)
+            if names not in frames:
+                frames[names] = len(protocol.result_ids([(n, "") for n in names]))
+            if limits.max_new_tokens - len(row.ids) - frames[names] < 1:  # not even empty results fit: none run
                 _not_shown(last, row, "Error: not run (max_new_tokens reached)")
                 continue
             for c in [c for c in last.calls if c.error is None][allowed:]:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..outputs import read_jsonl
-from ..traces import columns
+from ..traces import REQUIRED, columns
 
 BASE_COLUMNS = columns()  # trace field -> DuckDB type, from the one trace definition
 
@@ -86,9 +86,6 @@ def _lit(text: str) -> str:
 _JSON_TYPES = {"BIGINT": ("BIGINT", "UBIGINT"), "DOUBLE": ("DOUBLE", "BIGINT", "UBIGINT"), "BOOLEAN": ("BOOLEAN",),
                "VARCHAR": ("VARCHAR",), "BIGINT[]": ("ARRAY",)}
 _NUMBER = ("DOUBLE", "BIGINT", "UBIGINT", "NULL")
-
-
-REQUIRED = ("step", "prompt_id", "completion", "rewards", "total")  # what every trace line holds (traces.py)
 
 
 def _first_mistyped() -> str:

@@ -38,7 +38,7 @@ from ..config import Config, config_from_dict
 from ..data import DataError, Example
 from ..errors import ReplayError
 from ..outputs import read_jsonl
-from ..traces import library_versions, mistyped
+from ..traces import REQUIRED, library_versions, mistyped
 
 
 def _where(t: dict) -> str:
@@ -110,8 +110,8 @@ def _turn_at(turns: list[dict] | None, j: int | None) -> str | None:
     return f"turn {len(turns) - 1} (past the traced end)"
 
 
-RESCORED = ("step", "prompt_id", "sample", "prompt", "completion", "completion_tokens", "truncated", "rewards",
-            "total")  # the fields a traced completion must hold to be rescored (or replayed)
+RESCORED = (*REQUIRED, "sample", "prompt", "completion_tokens", "truncated")  # the fields a traced completion
+# must hold to be rescored (or replayed): every trace line's, and what rebuilds its row
 
 
 def _check_replayable(traces: list[dict], cfg: dict) -> None:
