@@ -1,5 +1,17 @@
-"""docuchat-rl: teach small language models to reason with reinforcement learning (GRPO, PPO, A2C) on LoRA."""
+"""docuchat-rl: teach small language models to reason with reinforcement learning (GRPO, PPO, A2C) on LoRA.
+
+The Python API (docuchat_rl/api.py, docs/api.md): `RLTrainer`, `SFTTrainer`, `recipe`.
+"""
 
 from .sampling import reward_models  # noqa: F401  (the engine's torch-based reward registers itself under `reward_model`)
 
 __version__ = "0.1.0"
+__all__ = ["RLTrainer", "SFTTrainer", "recipe", "__version__"]
+
+
+def __getattr__(name: str):  # (the API on first use: `import docuchat_rl` stays what it was)
+    if name in ("RLTrainer", "SFTTrainer", "recipe"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'docuchat_rl' has no attribute {name!r}")

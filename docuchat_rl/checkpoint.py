@@ -207,22 +207,59 @@ def resolve_resume(path: str, out_dir: Path) -> Path:
     raise CheckpointError(f"no intact checkpoint to resume in {p}: " + ("; ".join(problems) or "none there"))
 
 
-def resolve_adapter(path: str | Path) -> Path:
-    """What `--adapter` names: a checkpoint folder; a run folder or its `latest` pointer (what `train`
+def resolve_adapter(path: str | Path, key: str = "--adapter") -> Path:
+    """What `--adapter` (or `key`) names: a checkpoint folder; a run folder or its `latest` pointer (what `train`
     prints) is its newest intact checkpoint."""
     p = Path(path)
     if (p / "adapter_config.json").exists():
         problem = verify_checkpoint(p) if (p / MANIFEST).exists() else None  # (a plain peft folder has none)
         if problem:
-            raise CheckpointError(f"--adapter {path}: {problem}; use another checkpoint (a run folder gives its "
+            raise CheckpointError(f"{key} {path}: {problem}; use another checkpoint (a run folder gives its "
                                   "newest intact one)")
         return p
     if p.name == LATEST and p.is_file():
         p = p.parent
     if p.is_dir() and ((p / LATEST).exists() or list_checkpoints(p)):
         return resolve_resume(str(p), p)
-    raise FileNotFoundError(f"--adapter {path}: no adapter_config.json there (give a checkpoint folder, a run "
+    raise FileNotFoundError(f"{key} {path}: no adapter_config.json there (give a checkpoint folder, a run "
                             "folder or its latest)")
+
+
+def same_model(a: str | None, b: str) -> bool:
+    """Whether two model.name_or_path values name one model (the same text, or two paths of one folder)."""
+    return not a or a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+def load_start_adapter(model, folder: Path, lora, model_name: str, key: str = "lora.init_from",
+                       adapter_name: str = "default") -> None:
+    """Set adapter `adapter_name` of the peft `model` to the adapter in `folder` (resolve_adapter's), after
+    checking in one line that it fits: trained on the same base model (a checkpoint of ours says which; a
+    plain peft folder's base is not compared, its shapes are), the same LoRA scale, and the very tensors,
+    by name and shape, that the recipe's `lora` section gives the model."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    trained_on = ((saved_config(folder) or {}).get("model") or {}).get("name_or_path")
+    if not same_model(trained_on, model_name):
+        raise CheckpointError(f"{key} {folder} was trained on model {trained_on!r}, and the recipe names "
+                              f"{model_name!r}: start from an adapter of this model")
+    try:
+        meta = json.loads((folder / "adapter_config.json").read_text())
+        state = load_file(str(folder / "adapter_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{key} {folder}: its adapter cannot be read ({e})") from None
+    own = get_peft_model_state_dict(model, adapter_name=adapter_name)
+    theirs = {k: tuple(v.shape) for k, v in state.items()}
+    mine = {k: tuple(v.shape) for k, v in own.items()}
+    if theirs != mine or float(meta.get("lora_alpha", lora.alpha)) != float(lora.alpha):
+        rank = meta.get("r")
+        modules = sorted({k.split(".")[-3] for k in theirs if ".lora_A." in k})
+        what = (f"shapes differ (first: {next((k for k in sorted(mine) if theirs.get(k) != mine[k]), None) or next(iter(sorted(set(theirs) - set(mine))), '?')})"
+                if theirs != mine else f"lora alpha {meta.get('lora_alpha')} against {lora.alpha}")
+        raise CheckpointError(f"{key} {folder}: its adapter (rank {rank}, alpha {meta.get('lora_alpha')}, on "
+                              f"{', '.join(modules) or 'nothing'}) does not fit the recipe's lora (rank {lora.r}, alpha "
+                              f"{lora.alpha}, on {lora.target_modules}): {what}; set lora to the adapter's shape")
+    set_peft_model_state_dict(model, state, adapter_name=adapter_name)
 
 
 # One rule for a config that differs from the checkpoint's on resume: a key that only says how the run is

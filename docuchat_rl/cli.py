@@ -52,6 +52,15 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="override a config key, e.g. --set rollout.num_generations=4 (repeatable)")
 
 
+def _stage(p: argparse.ArgumentParser) -> None:
+    """A training stage's arguments (train, sft): the recipe's, then --resume and --stop-after."""
+    _common(p)
+    p.add_argument("--resume", default=None, help="'latest', a run folder or a checkpoint folder")
+    p.add_argument("--stop-after", type=COUNT, default=None, metavar="STEP",
+                   help="stop after this step with a checkpoint (the schedule still spans the run's steps); "
+                   "go on later with --resume latest")
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", action="store_true", help="sample with rollout.temperature/top_p/top_k (default greedy)")
     p.add_argument("--temperature", type=_number(float, 0, low_open=True), default=None,
@@ -78,11 +87,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"docuchat-rl {_version()}")
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train a LoRA adapter with RL; evaluates before and after")
-    _common(t)
-    t.add_argument("--resume", default=None, help="'latest', a run folder or a checkpoint folder")
-    t.add_argument("--stop-after", type=COUNT, default=None, metavar="STEP",
-                   help="stop after this step with a checkpoint (the schedule still spans run.steps); "
-                   "go on later with --resume latest")
+    _stage(t)
+    sf = sub.add_parser("sft", help="supervised fine-tuning of the adapter on the RL prompts, before train",
+                        description="Fine-tune the recipe's LoRA adapter on the targets its sft section names (the "
+                        "answer column, calculator transcripts, a run's traced completions, a JSONL file), after "
+                        "the very prompt tokens RL samples from; evaluates before and after. It writes "
+                        "sft.output_dir, which `train` with the same recipe starts its adapter from (docs/sft.md).")
+    _stage(sf)
     e = sub.add_parser("eval", help="greedy accuracy, pass@k and reward means on the held-out set")
     _common(e)
     e.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter) to apply")
@@ -173,6 +184,7 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=_number(int, 1, 65535), default=8000)
     sv.add_argument("--print-only", action="store_true", help="print the command and stop")
     sv.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM's own flags (e.g. --gpu-memory-utilization 0.9)")
+    sub.add_parser("recipes", help="list the built-in recipes (a recipe is named by path or by one of these names)")
     c = sub.add_parser("config", help="print the resolved config, or every key with its doc")
     _common(c)
     c.add_argument("--explain", action="store_true", help="list every key with its default and doc")
@@ -180,27 +192,43 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _resume_command(args) -> list[str]:
-    """The `docuchat-rl train` command line that goes on from this run's latest checkpoint."""
-    return ["docuchat-rl", "train", *(["--config", args.config] if args.config else []),
+    """The `docuchat-rl train` (or `sft`) command line that goes on from this run's latest checkpoint."""
+    return ["docuchat-rl", args.command, *(["--config", args.config] if args.config else []),
             *[a for s in args.overrides for a in ("--set", s)], "--resume", "latest"]
 
 
+def cmd_sft(args) -> int:
+    """The supervised stage, with the before/after evaluation (cmd_train's rules for signals and stops)."""
+    return cmd_train(args)
+
+
 def cmd_train(args, on_phase=None) -> int:
-    """Train, with the before/after evaluation; on SIGTERM/SIGINT print how to resume (exit 128 + signal).
-    `on_phase`: see Trainer (the fault soak's seam)."""
+    """Train (or, as `sft`, the supervised stage), with the before/after evaluation; on SIGTERM/SIGINT print how
+    to resume (exit 128 + signal). `on_phase`: see Trainer (the fault soak's seam)."""
     from .config import load_config
     from .errors import Preempted
-    from .outputs import add_to_report
     from .preemption import at_once
-    from .trainer import Trainer
+    from .workflow import evaluation
 
     cfg = load_config(args.config, args.overrides)
-    cfg.check_run()  # (settings that cannot take effect in a run this long; a replay of a finished run skips it)
-    out, resume = Path(cfg.run.output_dir), shlex.join(_resume_command(args))
+    sft = args.command == "sft"
+    if sft:
+        from .supervised.trainer import SupervisedTrainer as Stage
+
+        out, extra = Path(cfg.sft_dir or cfg.run.output_dir), {}
+    else:
+        from .trainer import Trainer as Stage
+
+        cfg.check_run()  # (settings that cannot take effect in a run this long; a replay of a finished run skips it)
+        out, extra = Path(cfg.run.output_dir), {"on_phase": on_phase}
+    resume = shlex.join(_resume_command(args))
     got: list = []  # the signal that stopped a stage outside the loop (at_once), if any
     with at_once(got):  # (loading and evaluating: a signal stops at once, as nothing of the run is at stake)
         try:
-            trainer = Trainer(cfg, resume=args.resume, on_phase=on_phase)
+            trainer = Stage(cfg, resume=args.resume, **extra)
+            if trainer.is_main:  # (named first: an interrupted run never reaches the closing line)
+                print(f"docuchat-rl: {args.command} writes {out} ({'resuming at step ' + str(trainer.step) if trainer.step else 'from step 1'} "
+                      f"of {trainer.total_steps}); progress on stderr, evaluations on stdout", file=sys.stderr, flush=True)
         except KeyboardInterrupt:
             print("docuchat-rl: interrupted while the run was starting: nothing was trained or written",
                   file=sys.stderr, flush=True)
@@ -210,11 +238,9 @@ def cmd_train(args, on_phase=None) -> int:
     try:
         if do_eval and trainer.step == 0:
             with at_once(got):
-                report["before"] = trainer.evaluate()
+                report["before"] = evaluation(trainer, out, "before")
             if trainer.is_main:
                 print("eval before:", json.dumps(report["before"]), flush=True)
-                add_to_report(out / "eval.json", "before", report["before"])  # (now: a run stopped or killed
-                # later keeps it, and a resume leaves it)
         trainer.train(stop_after=args.stop_after)
     except Preempted as p:
         if trainer.is_main:
@@ -242,17 +268,16 @@ def cmd_train(args, on_phase=None) -> int:
     finally:
         with at_once(got):  # (a signal while the run's files and worker close: one line, not a silent kill)
             trainer.close()
-    if trainer.step < cfg.run.steps:  # --stop-after: no "after" evaluation of an unfinished run
+    if trainer.step < trainer.total_steps:  # --stop-after: no "after" evaluation of an unfinished run
         if trainer.is_main:
-            print(f"docuchat-rl: stopped after step {trainer.step} of {cfg.run.steps}; go on with: {resume}",
+            print(f"docuchat-rl: stopped after step {trainer.step} of {trainer.total_steps} (eval.json has no \"after\" "
+                  f"yet: docuchat-rl eval --adapter {out} evaluates it now); go on with: {resume}",
                   file=sys.stderr, flush=True)
         return 0
     if do_eval:
-        last = trainer.last_eval
-        try:  # (the periodic eval of the final step is the same evaluation: reused)
+        try:
             with at_once(got):
-                report["after"] = ({k: v for k, v in last.items() if k not in ("step", "minutes")}
-                                   if last and last["step"] == trainer.step else trainer.evaluate())
+                report["after"] = evaluation(trainer, out, "after")
         except KeyboardInterrupt:
             if trainer.is_main:
                 print(f"docuchat-rl: interrupted during the evaluation after training; the run is complete "
@@ -261,10 +286,10 @@ def cmd_train(args, on_phase=None) -> int:
             return 128 + int(got[0]) if got else 130
         if trainer.is_main:
             print("eval after: ", json.dumps(report["after"]), flush=True)
-            add_to_report(out / "eval.json", "after", report["after"])
     if trainer.is_main:
-        print(f"outputs: {out / 'latest'} -> checkpoint, {out / 'metrics.jsonl'}, {out / 'traces.jsonl'}"
-              + (f", {out / 'eval.json'}" if do_eval else ""))
+        print(f"outputs: {out / 'latest'} -> checkpoint, {out / 'metrics.jsonl'}, "
+              f"{out / ('sft_targets.jsonl' if sft else 'traces.jsonl')}" + (f", {out / 'eval.json'}" if do_eval else "")
+              + (f"; {shlex.join(_resume_command(args)[:-2]).replace(' sft ', ' train ', 1)} starts from it" if sft else ""))
     return 0
 
 
@@ -284,7 +309,7 @@ def cmd_eval(args) -> int:
     from accelerate import PartialState
 
     from .distributed import Dist, on_cpu
-    from .tools.evaluate import evaluate
+    from .evaluation import evaluate
     from .tools.inference import load_policy
 
     if args.out:
@@ -312,6 +337,7 @@ def plugins_print_to_stderr():
 
 def _config_for(args):
     """--config, else the checkpoint's own run_config.json, else the defaults; then --set."""
+    from .checkpoint import same_model
     from .config import config_from_dict, load_config
     from .tools.inference import config_of_checkpoint
 
@@ -322,9 +348,7 @@ def _config_for(args):
     cfg = load_config(args.config, args.overrides)
     trained_on = ((raw or {}).get("model") or {}).get("name_or_path")
     named = cfg.model.name_or_path
-    same = not trained_on or trained_on == named or (Path(trained_on).exists() and Path(named).exists()
-                                                     and Path(trained_on).resolve() == Path(named).resolve())
-    if not same:  # (one name from two sources: never pick one silently)
+    if not same_model(trained_on, named):  # (one name from two sources: never pick one silently)
         from .config import ConfigError
 
         raise ConfigError(f"--adapter {adapter} was trained on model {trained_on!r}, and the recipe here names "
@@ -409,6 +433,8 @@ def cmd_generate(args) -> int:
         return 0
     console = Console()
     names = [c.name for c in cfg.rewards.components]
+    console.print(f"[bold]model[/] {cfg.model.name_or_path}  [bold]adapter[/] {args.adapter or 'none (the base model)'}"
+                  f"  {len(examples)} prompt{'s' * (len(examples) != 1)} x {args.n}")
     for r in records:
         if args.score:
             print_records([{**r, **r["rewards"]}], names, console)
@@ -416,6 +442,11 @@ def cmd_generate(args) -> int:
             head = f"model {r['model']}  prompt {r['prompt_id']}  sample {r['sample']}  tokens {r['completion_tokens']}"
             console.print(Panel.fit(f"[bold]prompt[/]\n{escape(r['prompt'])}\n[bold]completion[/]\n"
                                     f"{escape(r['completion'])}", title=head, title_align="left"))
+    accuracy = cfg.rewards.accuracy_component
+    if args.score and accuracy in names:  # (a closing tally per model: what the panels above add up to)
+        for label in dict.fromkeys(r["model"] for r in records):
+            mine = [r["rewards"][accuracy]["raw"] for r in records if r["model"] == label]
+            console.print(f"[bold]{label}[/]: {sum(v == 1 for v in mine)} of {len(mine)} right ({accuracy})")
     return 0
 
 
@@ -627,6 +658,17 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_recipes(args) -> int:
+    """The built-in recipes, one a line: the name `--config` takes, and the recipe's first comment line."""
+    from .recipes import builtin_recipes
+
+    for name, path in builtin_recipes().items():
+        first = next((ln.lstrip("# ").strip() for ln in path.read_text(encoding="utf-8").splitlines()
+                      if ln.startswith("#")), "")
+        print(f"{name:20s} {first}")
+    return 0
+
+
 def cmd_config(args) -> int:
     """Print the resolved config as YAML, or every key with its doc (--explain)."""
     from .config import explain, load_config
@@ -702,6 +744,18 @@ def cmd_audit(args) -> int:
     return 0
 
 
+def _peer_lost(error: BaseException) -> bool:
+    """Whether `error` is a collective that failed because another process of the run went away (gloo's or
+    NCCL's broken connection, torch.distributed's own errors), as opposed to a bug of ours."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    import torch.distributed as td
+
+    text = str(error)
+    return isinstance(error, getattr(td, "DistError", ())) or any(
+        m in text for m in ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted"))
+
+
 def _checkpoint_left(args) -> str:
     """What a failed `train` leaves to resume from ('; the last checkpoint (checkpoint-N) is intact'), or ''
     for the other commands, which write no checkpoint."""
@@ -735,10 +789,10 @@ def main(argv: list[str] | None = None) -> int:
         f"docuchat-rl: warning: {message}\n" if issubclass(category, CheckpointWarning)
         else plain(message, category, *a, **k))
 
-    commands = {"train": cmd_train, "eval": cmd_eval, "config": cmd_config, "generate": cmd_generate,
+    commands = {"train": cmd_train, "sft": cmd_sft, "recipes": cmd_recipes, "eval": cmd_eval, "config": cmd_config, "generate": cmd_generate,
                 "chat": cmd_chat, "export": cmd_export, "audit": cmd_audit,
                 "get-model": cmd_get_model, "replay": cmd_replay, "rescore": cmd_rescore, "serve": cmd_serve}
-    if args.command not in ("train", "get-model") and (sys.stdout is None or sys.stdout.closed):
+    if args.command not in ("train", "sft", "get-model") and (sys.stdout is None or sys.stdout.closed):
         print(f"docuchat-rl: error: {args.command} writes its results to standard output, which is closed: run it "
               "with standard output open (redirect it to a file to keep it)", file=sys.stderr)
         return 2
@@ -764,6 +818,17 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:  # the disk: full, read-only, a size limit
         where = f" ({e.filename})" if e.filename else ""
         print(f"docuchat-rl: error: could not write{where}: {e.strerror or e}{_checkpoint_left(args)}",
+              file=sys.stderr)
+    except RuntimeError as e:
+        if not _peer_lost(e):
+            if "torch.distributed" in sys.modules:
+                from .distributed import end_processes
+
+                end_processes(together=False)
+            raise
+        # another process of the run (another node) died: this one's collective failed at once; one line
+        first = str(e).strip().splitlines()[0].split("] ", 1)[-1][:160]
+        print(f"docuchat-rl: error: another process of the run stopped ({first}){_checkpoint_left(args)}",
               file=sys.stderr)
     except BaseException:  # a bug: its traceback, after the processes left their group
         if "torch.distributed" in sys.modules:

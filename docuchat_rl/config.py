@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator, model_validator
 
-from .learning.algorithm_configs import ALGORITHMS, AlgorithmConfig, BatchShape, GRPOConfig, Keys
+from .algorithm_configs import ALGORITHMS, AlgorithmConfig, BatchShape, GRPOConfig, Keys
 
 DEFAULT_SYSTEM_PROMPT = (
     "Solve the problem. Think step by step inside <think> </think>, "
@@ -80,6 +80,8 @@ class LoraConfig(Section):
     """Module names to adapt, or all-linear for every linear layer but the output head."""
     fused: Switch = AUTO
     """Train each adapted Linear as one matmul with W + s*B*A instead of peft's three (same gradients; float32 only, off under FSDP2); auto: on on CPUs, off on GPUs (measured on CPUs only)."""
+    init_from: str | None = None
+    """Start the adapter from this one instead of from zero: a checkpoint folder, a run folder (its newest intact checkpoint) or any peft adapter folder of the same base model and LoRA shape (a recipe with an sft section: `train` starts from sft.output_dir instead, docs/sft.md)."""
 
     @field_validator("target_modules")
     @classmethod
@@ -422,6 +424,55 @@ class RunConfig(Section):
         return v
 
 
+class SFTConfig(Section):
+    """`docuchat-rl sft`: supervised fine-tuning of the recipe's adapter before RL, on the RL prompts (docs/sft.md)."""
+
+    source: Literal["answers", "tool_transcripts", "traces", "jsonl"] = "answers"
+    """Where the targets come from: the answer column (sft.answer_template), calculator conversations built from its <<a op b=c>> steps, a run's traced completions (sft.path, sft.where), or a JSONL file of TRL prompt/completion or messages rows (sft.path)."""
+    answer_template: Literal["as_written", "steps", "think_answer"] = "as_written"
+    """source answers: the answer column as written; its steps without the <<...>> notes then '#### N'; or <think>steps</think><answer>N</answer>."""
+    path: str | None = None
+    """source traces: the run folder (or its traces.jsonl); source jsonl: the file."""
+    where: str = "correctness.raw == 1"
+    """source traces: the audit filter that selects the completions to learn (as `docuchat-rl audit --where`)."""
+    per_prompt: int = Field(1, ge=1)
+    """source traces: at most this many distinct completions of one prompt, the newest steps' first."""
+    output_dir: str | None = None
+    """Where `sft` writes its run folder (null: run.output_dir + '-sft'); `train` with this recipe starts its adapter from there."""
+    steps: int | None = Field(None, ge=1)
+    """Optimizer steps (null: sft.epochs passes over the SFT set)."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over the SFT set, when sft.steps is null (null too: 1)."""
+    batch_size: int = Field(16, ge=1)
+    """Examples per optimizer step."""
+    micro_batch_size: int | None = Field(None, ge=1)
+    """Examples per forward (null: the whole batch); the loss is the same."""
+    lr: float = Field(2.0e-4, gt=0)
+    """Learning rate (the optimizer's other settings are optim's)."""
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """Learning-rate schedule over the SFT steps."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps."""
+    max_length: int = Field(1024, ge=1)
+    """Longest example, prompt and target tokens together; a longer one is refused, naming its row (never cut)."""
+
+    @model_validator(mode="after")
+    def _one_length(self) -> SFTConfig:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("sft.steps and sft.epochs both set: give one (steps wins nothing silently)")
+        if self.source in ("traces", "jsonl") and not self.path:
+            raise ValueError(f"sft.path: source {self.source} reads a {'run folder' if self.source == 'traces' else 'file'}"
+                             ": name it")
+        if self.source not in ("traces", "jsonl") and self.path:
+            raise ValueError(f"sft.path applies to source traces or jsonl, not {self.source}")
+        if self.source != "answers" and self.answer_template != "as_written":
+            raise ValueError(f"sft.answer_template applies to source answers, not {self.source}")
+        moved = [k for k in ("where", "per_prompt") if getattr(self, k) != SFTConfig.model_fields[k].default]
+        if self.source != "traces" and moved:
+            raise ValueError(f"sft.{moved[0]} applies to source traces, not {self.source}")
+        return self
+
+
 class Config(Section):
     """A whole run's settings, one section per concern; `load_config` builds it from YAML and `--set`."""
 
@@ -436,6 +487,41 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SFTConfig | None = None
+    """The supervised stage `docuchat-rl sft` runs before `train` (docs/sft.md)."""
+
+    @property
+    def sft_dir(self) -> str | None:
+        """Where `sft` writes (sft.output_dir, decided at load); None without an sft section."""
+        return None if self.sft is None else self.sft.output_dir
+
+    @model_validator(mode="after")
+    def _builtin_files(self) -> Config:
+        """Relative paths read from the working folder, else the package's built-in copy (recipes.resolve_path:
+        an installed package runs its embedded default from any folder)."""
+        from .recipes import resolve_path
+
+        for section, key in (("model", "name_or_path"), ("data", "train"), ("data", "test")):
+            part = getattr(self, section)
+            value = getattr(part, key)
+            if resolve_path(value) != value:
+                object.__setattr__(part, key, resolve_path(value))
+        if any(resolve_path(v) != v for v in self.eval.also.values()):
+            object.__setattr__(self.eval, "also", {k: resolve_path(v) for k, v in self.eval.also.items()})
+        return self
+
+    @model_validator(mode="after")
+    def _sft_folder(self) -> Config:
+        """sft.output_dir null is run.output_dir + '-sft', decided at load and kept in the recipe of record (a
+        replay or an evaluation that moves run.output_dir still finds the stage the run started from)."""
+        if self.sft is not None and self.sft.output_dir is None:
+            object.__setattr__(self.sft, "output_dir", self.run.output_dir.rstrip("/") + "-sft")
+        return self
+
+    @property
+    def rl_start(self) -> str | None:
+        """The adapter `train` starts from: the SFT stage's run folder when the recipe has one, else lora.init_from."""
+        return self.sft_dir if self.sft is not None else self.lora.init_from
 
     @property
     def minibatch_rows(self) -> int:
@@ -521,6 +607,9 @@ class Config(Section):
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")
+        if self.sft is not None and Path(self.sft_dir).resolve() == Path(self.run.output_dir).resolve():
+            raise ValueError(f"sft.output_dir {self.sft.output_dir} is run.output_dir: the SFT stage and the RL run "
+                             "each write a run folder of their own")
         problem = self.algorithm.check(BatchShape(r.num_generations, rows, self.minibatch_rows))
         if problem:
             raise ValueError(problem)
@@ -718,11 +807,14 @@ def read_yaml(text: str) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Read YAML (or the built-in defaults when path is None), apply overrides, validate."""
+    from .recipes import resolve_recipe
+
     raw: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file not found: {p}")
+        try:
+            p = resolve_recipe(path)  # (a file, or a built-in recipe by name: recipes.py)
+        except FileNotFoundError as e:
+            raise ConfigError(str(e)) from None
         try:
             raw = read_yaml(p.read_text(encoding="utf-8")) or {}
         except ConfigError as e:
@@ -767,10 +859,12 @@ def explain(cfg: Config | None = None) -> str:
     cfg = cfg or Config()
     lines = []
     for section, field in Config.model_fields.items():
-        model = type(getattr(cfg, section))
+        value = getattr(cfg, section)
+        model = type(value) if value is not None else next(a for a in field.annotation.__args__ if a is not type(None))
         others = sorted(set(ALGORITHMS) - {cfg.algorithm.name}) if section == "algorithm" else []
         lines.append(f"{section}:" + (f"  # keys of {cfg.algorithm.name}; see also --set algorithm.name="
-                                      f"{'|'.join(others)}" if others else ""))
+                                      f"{'|'.join(others)}" if others else "")
+                     + (f"  # null unless the recipe has it: {field.description}" if value is None else ""))
         lines += _explain_fields(model, "  ")
     return "\n".join(lines)
 
@@ -787,7 +881,8 @@ def _explain_fields(model: type[BaseModel], indent: str) -> list[str]:
         if isinstance(default, list) and default and isinstance(default[0], BaseModel):
             default = [d.model_dump(exclude_defaults=True) for d in default]
         choices = _choices(f.annotation)
-        lines.append(f"{indent}{name} = {default!r}" + (f"  [{choices}]" if choices else "") + f"  # {f.description or ''}")
+        doc = (f.description or "").replace("\n", "\\n")  # (one line a key: a doc that quotes "\n\n" shows it escaped)
+        lines.append(f"{indent}{name} = {default!r}" + (f"  [{choices}]" if choices else "") + f"  # {doc}")
     return lines
 
 

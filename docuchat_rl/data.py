@@ -152,7 +152,13 @@ def load_examples(source: str, split: str, prompt_column: str, answer_column: st
                   limit: int | None = None, revision: str | None = None,
                   subset: str | None = None) -> list[Example]:
     """Rows of a data set as `Example`s, in file order; missing columns fail naming them."""
-    table = load_table(source, split, revision, subset)
+    return examples_of(load_table(source, split, revision, subset), source, prompt_column, answer_column, limit)
+
+
+def examples_of(table, source: str, prompt_column: str, answer_column: str | None,
+                limit: int | None = None) -> list[Example]:
+    """A table's rows (a `datasets.Dataset`, or anything with `column_names`, `select` and rows as dicts) as
+    `Example`s, checked; `source` names it in errors."""
     for role, col in (("prompt_column", prompt_column), ("answer_column", answer_column)):
         if col is not None and col not in table.column_names:
             raise DataError(f"{source}: column {col!r} (data.{role}) not found; "

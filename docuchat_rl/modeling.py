@@ -34,6 +34,7 @@ from .gguf import KNOWN, is_gguf, load_gguf
 if TYPE_CHECKING:
     from .config import LoraConfig
 
+REFERENCE_ADAPTER = "reference"  # the KL reference when a run starts from an adapter (run.start_adapters)
 CRITIC_ADAPTER = "critic"  # the separate critic's LoRA adapter (algorithm.critic_backbone: separate)
 
 
@@ -206,12 +207,24 @@ def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str
     """(model on the device in the chosen dtype, tokenizer with a pad token), the `stop_tokens` among the
     model's EOS ids (add_stop_tokens); a load failure is one line naming the key."""
     dev = pick_device(device)
-    resolved = resolve_dtype(dtype, dev) if dtype != "base" else None
     with _quiet_local_load(Path(name_or_path).expanduser().exists()):
         if is_gguf(name_or_path):  # a llama.cpp file: dequantized into a plain model (gguf.py)
             model, tok = load_gguf(Path(name_or_path).expanduser(), pick_dtype(dtype, dev))
         else:
             model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code)
+    return prepare_model(model, tok, dtype, str(dev), stop_tokens)
+
+
+def prepare_model(model, tok, dtype: str = "auto", device: str = "auto", stop_tokens: list[str] | tuple[str, ...] = ()):
+    """A loaded model and tokenizer made ready as `load_model_and_tokenizer` makes them (a pad token, the
+    stop tokens, the dtype and its mixed-precision wrapping, the device): also what the Python API does to
+    a model a user loaded."""
+    dev = pick_device(device)
+    resolved = resolve_dtype(dtype, dev) if dtype != "base" else None
+    want = pick_dtype(dtype, dev) if resolved is not None else None
+    for param in model.parameters():  # (a model loaded elsewhere, in another dtype: its weights only; buffers such
+        if param.is_floating_point() and want is not None and param.dtype != want:  # as the rotary inv_freq stay
+            param.data = param.data.to(want)  # float32, as from_pretrained leaves them)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     add_stop_tokens(model, tok, stop_tokens)

@@ -28,7 +28,7 @@ def _clean(x: Any) -> Any:
     return x
 
 
-RUN_FILES = ("traces.jsonl", "metrics.jsonl", "eval.jsonl", "eval.json", "latest")
+RUN_FILES = ("traces.jsonl", "metrics.jsonl", "eval.jsonl", "eval.json", "latest", "sft_targets.jsonl")
 STEP_FILES = {"traces": "traces.jsonl", "metrics": "metrics.jsonl", "evals": "eval.jsonl"}  # checkpoint offset keys
 
 

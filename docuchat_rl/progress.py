@@ -16,26 +16,32 @@ class Progress:
 
     LINES = 50  # without a terminal: about this many progress lines over a whole run
 
-    def __init__(self, total: int, initial: int = 0, enabled: bool = False):
-        self.total, self.started = total, time.perf_counter()
+    def __init__(self, total: int, initial: int = 0, enabled: bool = False, name: str = "train"):
+        self.total, self.started, self.name = total, time.perf_counter(), name
         self._bar, self._every = None, None
         if enabled and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=initial, desc=name, dynamic_ncols=True)
         elif enabled:
             self._every = max(1, total // self.LINES)
 
     def step(self, step: int, m: dict) -> None:
         """Show a finished step's reward, tokens/s and accuracy (when the run has an accuracy component)."""
-        shown = {"reward": f"{m['reward/mean']:.3f}", "tok_s": f"{m['rollout_tokens_per_s'] or 0:.0f}"}
+        # (train_acc: the step's own samples at the rollout's temperature, not the held-out accuracy; tok/s: the
+        # rollout's sampled tokens a second)
+        shown = {"reward": f"{m['reward/mean']:.3f}", "tok/s": f"{m['rollout_tokens_per_s'] or 0:.0f}"}
         if m.get("accuracy") is not None:
-            shown["acc"] = f"{m['accuracy']:.3f}"
+            shown["train_acc"] = f"{m['accuracy']:.3f}"
+        self.show(step, shown)
+
+    def show(self, step: int, shown: dict[str, str]) -> None:
+        """A finished step's figures, on the bar or (every few steps) as a line."""
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(shown)
         elif self._every and (step % self._every == 0 or step == self.total):
-            self.say(f"train step {step}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in shown.items())
+            self.say(f"{self.name} step {step}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in shown.items())
                      + f", {time.perf_counter() - self.started:.0f} s")
 
     def say(self, line: str) -> None:

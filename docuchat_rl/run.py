@@ -25,6 +25,8 @@ from rewards import CompositeReward
 
 from .checkpoint import (
     TrainerState,
+    load_start_adapter,
+    resolve_adapter,
     check_resumable,
     checkpoint_step,
     list_checkpoints,
@@ -50,11 +52,14 @@ from .learning.algorithms import Algorithm, get_algorithm_class
 from .learning.fused_lora import fuse_lora
 from .learning.learner import Learner
 from .modeling import (
+    REFERENCE_ADAPTER,
     add_critic_adapter,
+    lora_config,
     build_lora,
     disable_dropout,
     eos_ids,
     load_model_and_tokenizer,
+    prepare_model,
 )
 from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir
 from .sampling.engines import Engine, EngineContext, LocalEngine, engine_name, get_engine_class
@@ -155,10 +160,11 @@ class Run:
 
 
 def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | None = None,
-              quiet: bool = False) -> Run:
+              quiet: bool = False, model=None) -> Run:
     """Set up a run (see the module docstring); on any failure nothing stays held (the folder's lock). The
     run's `cfg` is `cfg` with its `auto` switches decided for the device (what the loop and checkpoints read);
-    `quiet` leaves the settings a resume applied unsaid (a replay's own)."""
+    `quiet` leaves the settings a resume applied unsaid (a replay's own); `model`: (model, tokenizer) already
+    loaded (the Python API's), in place of loading model.name_or_path."""
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
     place = _launch(cfg)
@@ -172,7 +178,7 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
         if applied and place.dist.is_main and not quiet:
             print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
                   file=sys.stderr, flush=True)
-        return _build(cfg, out_dir, place, resume_dir, examples, lock)
+        return _build(cfg, out_dir, place, resume_dir, examples, lock, model)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -255,7 +261,7 @@ def _check_newest(out_dir: Path, resume_dir: Path) -> None:
 
 
 def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example] | None,
-           lock: RunLock | None) -> Run:
+           lock: RunLock | None, loaded=None) -> Run:
     """Everything after the launch and the folder claim (see the module docstring)."""
     from transformers import set_seed
 
@@ -282,7 +288,8 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     levels = levels_of(examples, c, cfg.data.answer_column) if c is not None else None  # (before the model loads)
     if resume_dir:  # (before the model loads)
         _check_same_rows(cfg.data.train, resume_dir, rows)
-    model, tokenizer, algo, params = _model(cfg, place)
+    start, reference = start_adapters(cfg, resume_dir)
+    model, tokenizer, algo, params = _model(cfg, place, start, reference, loaded)
     head = list(algo.critic.parameters()) if algo.critic is not None else []
     opt, sched = _optimizer(params, cfg.optim, cfg.run.steps * cfg.algorithm.num_iterations
                             * (cfg.rollout.batch_rows // cfg.minibatch_rows),
@@ -388,21 +395,14 @@ def _check_same_rows(train: str, resume_dir: Path, rows: dict) -> None:
                               "resuming exactly needs the rows it trained on; restore them, or start a new run")
 
 
-def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algorithm, list[torch.nn.Parameter]]:
-    """(the peft model, tokenizer, algorithm, trainable parameters): the base model with dropout off, the
-    policy's LoRA adapter, the algorithm's critic (and its own adapter when separate); under FSDP2 the
-    decoder layers sharded and `place` told how generation sees them."""
+def _model(cfg: Config, place: Placement, start: Path | None = None, reference: Path | None = None, loaded=None
+           ) -> tuple[torch.nn.Module, object, Algorithm, list[torch.nn.Parameter]]:
+    """(the peft model, tokenizer, algorithm, trainable parameters): the policy (`policy_model`), the
+    algorithm's critic (and its own adapter when separate); under FSDP2 the decoder layers sharded and `place`
+    told how generation sees them."""
     dist = place.dist
-    model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, place.dtype, str(dist.device),
-                                                cfg.model.trust_remote_code, cfg.model.revision, cfg.model.stop_tokens)
-    if cfg.model.disable_dropout:
-        disable_dropout(model)
-    hidden = model.config.hidden_size
-    model = build_lora(model, cfg.lora)
-    if cfg.model.gradient_checkpointing:  # active in train mode only: the update, not sampling or no-grad passes
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()  # (peft's hook: the embeddings' output carries grad into each block)
-    algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden, dist.sum)
+    model, tokenizer = policy_model(cfg, place, start, reference, loaded)
+    algo = get_algorithm_class(cfg.algorithm.name)(cfg, model.config.hidden_size, dist.sum)
     params = [p for p in model.parameters() if p.requires_grad]
     if algo.critic is not None:
         algo.critic.to(dist.device)
@@ -425,6 +425,61 @@ def _model(cfg: Config, place: Placement) -> tuple[torch.nn.Module, object, Algo
                   f"processes: each holds {mine / 2**20:.1f} MB of the model's {whole / 2**20:.1f} MB of parameters",
                   file=sys.stderr, flush=True)
     return model, tokenizer, algo, params
+
+
+def policy_model(cfg: Config, place: Placement, start: Path | None = None, reference: Path | None = None,
+                 loaded=None):
+    """(the peft model, tokenizer): the base model with dropout off and the policy's LoRA adapter, zero or
+    `start`'s (an adapter folder, checked against the recipe); with `reference`, a frozen second adapter
+    (REFERENCE_ADAPTER) holding that folder's adapter, the KL reference of a run that started from one.
+    `loaded`: (model, tokenizer) a caller loaded, made ready as a loaded one is (modeling.prepare_model)."""
+    if loaded is not None:
+        model, tokenizer = prepare_model(*loaded, place.dtype, str(place.dist.device), cfg.model.stop_tokens)
+    else:
+        model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, place.dtype, str(place.dist.device),
+                                                    cfg.model.trust_remote_code, cfg.model.revision,
+                                                    cfg.model.stop_tokens)
+    if cfg.model.disable_dropout:
+        disable_dropout(model)
+    model = build_lora(model, cfg.lora)
+    if start is not None:
+        load_start_adapter(model, start, cfg.lora, cfg.model.name_or_path, _start_key(cfg))
+    if reference is not None:
+        model.add_adapter(REFERENCE_ADAPTER, lora_config(cfg.lora))
+        load_start_adapter(model, reference, cfg.lora, cfg.model.name_or_path, _start_key(cfg), REFERENCE_ADAPTER)
+        for name, p in model.named_parameters():
+            if f".{REFERENCE_ADAPTER}." in name:
+                p.requires_grad_(False)
+    if cfg.model.gradient_checkpointing:  # active in train mode only: the update, not sampling or no-grad passes
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()  # (peft's hook: the embeddings' output carries grad into each block)
+    return model, tokenizer
+
+
+def _start_key(cfg: Config) -> str:
+    return "sft.output_dir (the recipe's SFT stage)" if cfg.sft is not None and cfg.rl_start == cfg.sft_dir \
+        else "lora.init_from"
+
+
+def start_adapters(cfg: Config, resume_dir: Path | None) -> tuple[Path | None, Path | None]:
+    """(the adapter `train` starts from, the KL reference's adapter) as folders. The start is cfg.rl_start's
+    newest intact checkpoint (none on a resume: the checkpoint holds the adapter). The reference, with
+    algorithm.beta > 0 and a start, is the starting policy (TRL's reference when it is given an SFT model): the
+    start folder, or on a resume the copy the checkpoint keeps (so a resume does not need the start any more)."""
+    if not cfg.rl_start:
+        return None, None
+    needs_reference = getattr(cfg.algorithm, "beta", 0) > 0
+    if resume_dir is not None:
+        return None, (resume_dir / REFERENCE_ADAPTER if needs_reference else None)
+    try:
+        start = resolve_adapter(cfg.rl_start, _start_key(cfg))
+    except FileNotFoundError as e:
+        if cfg.sft is not None and cfg.rl_start == cfg.sft_dir:
+            raise CheckpointError(f"the recipe has an sft section, whose stage writes {cfg.sft_dir}, and there is no "
+                                  "checkpoint there: run docuchat-rl sft with this recipe first (or set sft: null "
+                                  "to train from a zero adapter)") from None
+        raise CheckpointError(str(e)) from None
+    return start, (start if needs_reference else None)
 
 
 def _optimizer(params, o: OptimConfig, total_updates: int, head: list | None = None, head_lr: float | None = None):

@@ -41,14 +41,15 @@ from .data import Example, load_split, make_sampler
 from .distributed import gathered
 from .errors import Preempted, TrainingError
 from .learning.batch import Batch
-from .memory import peak_mb, reset_peak
+from .evaluation import also_sets, evaluate
+from .memory import reset_peak
 from .preemption import Preemption, RandomState
 from .progress import Progress
 from .run import start_run
-from .sampling.generation import eos_ids
 from .sampling.lag import SamplingPolicy
 from .sampling.rollout import Rollout, Timer
-from .traces import RewardWatch, replay_coordinate, step_metrics
+from .step_log import StepLog
+from .traces import RewardWatch
 
 __all__ = ["MEASURED", "Trainer", "TrainingError", "Timer"]
 
@@ -65,8 +66,9 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, resume: str | None = None, examples: list[Example] | None = None,
-                 on_phase: Callable[[str], None] | None = None, quiet: bool = False):
-        self.run = start_run(cfg, resume, examples, quiet)
+                 on_phase: Callable[[str], None] | None = None, quiet: bool = False, model=None,
+                 held_out: list[Example] | None = None):
+        self.run = start_run(cfg, resume, examples, quiet, model)
         self.cfg = self.run.cfg  # (its `auto` switches decided for the run's device)
         self.learner, self.collector = self.run.learner, self.run.collector
         self.dist, self.is_main = self.run.place.dist, self.run.place.dist.is_main
@@ -77,19 +79,30 @@ class Trainer:
                                    self.run.state.no_reward_streak)
         self.progress = Progress(self.cfg.run.steps)  # (train() shows a bar or lines; this one only says)
         self.on_phase = on_phase or (lambda name: None)
-        self._held_out: list[Example] | None = None
-        if self.cfg.eval.also:  # (loaded at the start, so that a bad path fails before step 1)
-            from .tools.evaluate import also_sets
-
-            self._also = also_sets(self.cfg)
-        else:
-            self._also = {}
+        self._held_out: list[Example] | None = held_out  # (None: data.test's first eval.limit rows, when asked)
+        self._also = also_sets(self.cfg) if self.cfg.eval.also else {}  # (loaded now: a bad path fails before step 1)
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
-        r = self.cfg.rollout
-        self._coordinate = replay_coordinate({
-            "engine": r.engine, "temperature": r.temperature, "top_k": r.top_k, "top_p": r.top_p,
-            "max_new_tokens": r.max_new_tokens, "min_new_tokens": r.min_new_tokens,
-            "stop_ids": eos_ids(self.learner.model, self.run.tokenizer)})
+        self.step_log = StepLog(self.run, self.rewards, lambda: self.progress)
+
+    @property
+    def total_steps(self) -> int:
+        """The run's steps (run.steps)."""
+        return self.cfg.run.steps
+
+    @property
+    def policy_model(self):
+        """The peft model being trained (the policy's adapter active)."""
+        return self.learner.model
+
+    @property
+    def tokenizer(self):
+        """The run's tokenizer."""
+        return self.run.tokenizer
+
+    @property
+    def out_dir(self) -> Path:
+        """The run folder."""
+        return self.run.out_dir
 
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
@@ -132,42 +145,8 @@ class Trainer:
             return self.learner.update(batch, self.step + 1, global_groups)
 
     def log(self, step: int, rollout: Rollout, batch: Batch, metrics: dict, timer: Timer) -> dict:
-        """Write every process's trace records (the main process, in the one-process order) and the step's
-        metrics record, computed over all of them."""
-        run = self.run
-        with timer("log"):  # the trace records' writing (the metrics record carries these timings)
-            pairs = self.dist.gather(rollout.trace_records(step, self.run_id, self.learner.algo.trace_fields(batch),
-                                                           self._coordinate))
-            records = [rec for _, rec in sorted(pairs, key=lambda pair: pair[0])]  # one-process order (stable)
-            if run.outputs.traces is not None:
-                run.outputs.traces.write([r.to_json() for r in records])
-        logged: dict[str, list[float]] = {}  # what user reward functions logged (log_metric), every process
-        for key, values in self.dist.gather(list(rollout.reward_metrics.items())):
-            logged.setdefault(key, []).extend(values)
-        m = {"step": step, **step_metrics(records, run.reward.names, self.cfg.rewards.accuracy_component),
-             "prompts_sampled": rollout.prompts_sampled, "groups_used": rollout.groups_used, "kl": None, **metrics}
-        for key, values in logged.items():  # (under "user/<name>" where the name is one of ours)
-            m[key if key not in m else f"user/{key}"] = sum(values) / len(values)
-        if self.run.curriculum is not None:  # (the same records on every process: each decides the same)
-            self._curriculum(m)
-        # (sampled ahead, the learner's rollout time is its wait: tokens/s is over the engine's own seconds)
-        sampling = rollout.sampler_seconds if rollout.sampler_seconds is not None else timer.seconds.get("rollout", 0.0)
-        rollout_s, peak = self.dist.max(torch.tensor([sampling, peak_mb(self.dist.device)], dtype=torch.float64)).tolist()
-        m["memory/peak_mb"] = round(peak, 1)  # the step's peak, the largest process's (memory.py)
-        if rollout.sampler_seconds is not None:
-            m["rollout_sampler_s"] = rollout_s  # (the engine's, overlapping the update before; time/rollout: the wait)
-        m["rollout_tokens_per_s"] = float(sum(r.completion_tokens for r in records) / rollout_s) if rollout_s else None
-        for phase, s in timer.seconds.items():
-            m[f"time/{phase}"] = s
-        if run.outputs.metrics is not None:
-            run.outputs.metrics.write([m])
-        if run.wandb is not None:
-            run.wandb.log({k: v for k, v in m.items() if v is not None}, step=step)
-        for line in self.rewards.check(records, m):
-            if self.is_main:
-                self.progress.say(f"docuchat-rl: warning: {line}")
-        self.rewards.stop_if_starved(records)  # (rewards.max_failed_steps steps in a row without a value)
-        return m
+        """Write the step's trace records and its metrics record (step_log.StepLog)."""
+        return self.step_log.write(step, rollout, batch, metrics, timer)
 
     def seconds(self) -> float:
         """Training wall-clock seconds so far: this process's since train() began, plus what the checkpoint it
@@ -196,8 +175,6 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out evaluation, each process a share of the rows, the numbers over all of them on every
         process (greedy, and pass@k from its own streams: the run's random state is unchanged by it)."""
-        from .tools.evaluate import evaluate
-
         if self._held_out is None:
             self._held_out = load_split(self.cfg.data, "test", self.cfg.eval.limit)
         place = self.run.place
@@ -261,18 +238,6 @@ class Trainer:
             self.checkpoint(step)
         self.on_phase("idle")
         return m
-
-    def _curriculum(self, m: dict) -> None:
-        """data.curriculum: record the step's level, and let the next level join once the training accuracy
-        has reached promote_at (the next step draws from the new level's rows)."""
-        c, conf = self.run.curriculum, self.cfg.data.curriculum
-        m["curriculum/level"] = c.level  # (the level this step's prompts were drawn up to)
-        if c.observe(m.get("accuracy")):
-            self.collector.sampler.promote(c.level)
-            if self.is_main:
-                self.progress.say(f"step {m['step']}: curriculum level {c.level} joins (training accuracy reached "
-                                  f"{conf.promote_at} over {conf.window} steps)")
-        m["curriculum/next_level"] = c.level
 
     def _stop(self) -> None:
         """Checkpoint the last finished step if `latest` is older, and raise Preempted."""

@@ -234,6 +234,28 @@ def registered() -> list[str]:
 
 
 _FILE_MODULES: dict[Path, Any] = {}  # reward files loaded by path
+_OBJECTS: dict[str, Callable] = {}  # reward functions handed over as Python objects (the Python API), by name
+
+
+def add_function(name: str, fn: Callable) -> None:
+    """Make the callable `fn` (any function TRL accepts, a lambda included) the reward named `name` in this
+    process, as the Python API passes a reward object; naming it again replaces it (a notebook cell run again).
+
+    >>> add_function("short", lambda completions, **kw: [-len(c) for c in completions])
+    >>> resolve_reward("short")(["ab"])
+    [-2]
+    """
+    if name in _REGISTRY:
+        raise RewardError(f"reward name {name!r} is a registered reward's; give the function another name")
+    if not callable(fn):
+        raise RewardError(f"reward {name!r} is not callable")
+    _OBJECTS[name] = fn
+
+
+def is_object(name: str) -> bool:
+    """Whether reward `name` is a Python object handed over in this process (it has no importable path: a
+    resume in another process cannot find it)."""
+    return name in _OBJECTS and name not in _REGISTRY
 
 
 def import_module_or_file(module: str):
@@ -259,6 +281,8 @@ def resolve_reward(name: str) -> type[Reward] | Callable:
     """A registered reward class, or the object behind a dotted path `package.module:attribute`."""
     if name in _REGISTRY:
         return _REGISTRY[name]
+    if name in _OBJECTS:
+        return _OBJECTS[name]
     if ":" in name:
         module, _, attr = name.rpartition(":")
         try:
@@ -274,7 +298,8 @@ def resolve_reward(name: str) -> type[Reward] | Callable:
             raise RewardError(f"reward {name!r} is not callable")
         return obj
     raise RewardError(f"unknown reward {name!r}; registered rewards are {', '.join(registered())} "
-                      "(or give a dotted path package.module:function)")
+                      "(or give a dotted path package.module:function; a function handed to the Python API as an "
+                      "object is known only to that process: resume through the Python API with it)")
 
 
 def build_reward(name: str, params: dict[str, Any] | None = None) -> Reward:

@@ -23,6 +23,40 @@ def tiny():
     return load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
 
 
+def tiny_arch(name, tok):
+    """Tiny random-weight configs of real architectures with the default model's tokenizer."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if name == "qwen2":
+        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=True))
+    if name == "gemma2":  # final-logit soft-capping: the chunked head must apply it too
+        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=3.0))
+    if name == "mistral":
+        return tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=8))
+    if name == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    if name == "gpt2":
+        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=512))
+    raise ValueError(name)
+
+
+def tiny_arch_folder(name: str, folder: Path) -> Path:
+    """A model folder (weights, config, generation config with the tokenizer's EOS, data/model's tokenizer) of
+    `tiny_arch(name)`, as a user's local model folder is."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = tiny_arch(name, tok)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def train_here(recipe: Path | None, sets: list[str], resume: str | None = None, stop_after: int | None = None) -> None:
     """What `docuchat-rl train --config recipe --set ...` runs, in this process (a new interpreter spends
     ~10 s importing); a run with a worker spawns it from here as the CLI does. Torch's thread count, which

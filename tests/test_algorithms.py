@@ -41,7 +41,7 @@ def test_registry_names_and_config_types():
 def test_one_registry_holds_each_name_its_config_and_its_class():
     from typing import Literal
 
-    from docuchat_rl.learning.algorithm_configs import ALGORITHMS, GRPOConfig
+    from docuchat_rl.algorithm_configs import ALGORITHMS, GRPOConfig
     from docuchat_rl.learning.algorithms import Algorithm, register_algorithm
 
     assert {n: c.implementation for n, c in ALGORITHMS.items()} == {n: get_algorithm_class(n) for n in ALGORITHMS}

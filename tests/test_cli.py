@@ -92,7 +92,9 @@ def test_stop_after_checkpoints_mid_schedule_says_how_to_go_on_and_refuses_a_ste
     argv = ["train", *[x for s in sets for x in ("--set", s)]]
     assert main([*argv, "--stop-after", "1"]) == 0
     err = capsys.readouterr().err
-    assert "stopped after step 1 of 3; go on with: docuchat-rl train" in err and err.rstrip().endswith("--resume latest")
+    assert f"docuchat-rl: train writes {out} (from step 1 of 3)" in err.splitlines()[0]
+    assert (f"stopped after step 1 of 3 (eval.json has no \"after\" yet: docuchat-rl eval --adapter {out} evaluates "
+            "it now); go on with: docuchat-rl train") in err and err.rstrip().endswith("--resume latest")
     assert (out / "latest").read_text().strip() == "checkpoint-1"  # written although checkpoint.every is 50
     assert main([*argv, "--resume", "latest", "--stop-after", "1"]) == 2
     assert "--stop-after 1: must come after the run's last step (1)" in capsys.readouterr().err
@@ -293,7 +295,7 @@ def test_without_a_terminal_progress_is_plain_lines_and_loading_prints_no_bar(tm
     assert "\r" not in done.stderr and "Loading weights" not in done.stderr
     lines = [x for x in done.stderr.splitlines() if x.startswith("train step")]
     assert [x.split(":")[0] for x in lines] == ["train step 1/3", "train step 2/3", "train step 3/3"]
-    assert all("reward " in x and "acc " in x for x in lines)
+    assert all("reward " in x and "train_acc " in x and "tok/s " in x for x in lines)
 
 
 @pytest.mark.parametrize("command", ["eval", "generate", "rescore"])

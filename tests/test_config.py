@@ -91,6 +91,14 @@ BAD = [
      "a held-out set's name with a slash"),
     (["algorithm.critic_lr=0.001"], "'algorithm.critic_lr'.*grpo", "a critic key under GRPO"),
     (["run.output_dir=  "], "'run.output_dir': must name a folder", "a blank output folder"),
+    (["sft.source=traces"], "sft.path: source traces reads a run folder", "SFT from traces without a run"),
+    (["sft.path=x.jsonl"], "sft.path applies to source traces or jsonl, not answers", "a path answers do not read"),
+    (["sft.source=jsonl", "sft.path=x.jsonl", "sft.answer_template=steps"],
+     "sft.answer_template applies to source answers, not jsonl", "a template of another source"),
+    (["sft.where=step > 2"], "sft.where applies to source traces, not answers", "an audit filter without traces"),
+    (["sft.steps=10", "sft.epochs=2"], "sft.steps and sft.epochs both set", "two lengths for one run"),
+    (["sft.output_dir=runs/default"], "sft.output_dir runs/default is run.output_dir", "SFT and RL in one folder"),
+    (["sft.source=answers", "sft.answer_template=think_answer"], None, "an SFT section (valid)"),
 ]
 
 
@@ -117,9 +125,10 @@ def test_bad_files(tmp_path):
 
 
 def test_every_field_is_documented():
-    from docuchat_rl.learning.algorithm_configs import ALGORITHMS
+    from docuchat_rl.algorithm_configs import ALGORITHMS
 
-    models = [s.annotation for k, s in Config.model_fields.items() if k != "algorithm"]
+    models = [next(a for a in getattr(s.annotation, "__args__", (s.annotation,)) if a is not type(None))
+              for k, s in Config.model_fields.items() if k != "algorithm"]  # (sft: SFTConfig | None)
     for model in models + list(ALGORITHMS.values()):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no doc"
@@ -143,7 +152,7 @@ def test_a_key_of_another_algorithm_is_refused_naming_key_and_algorithm(algo, as
 
 
 def test_each_algorithm_gets_its_own_config_model():
-    from docuchat_rl.learning.algorithm_configs import A2CConfig, GRPOConfig, PPOConfig
+    from docuchat_rl.algorithm_configs import A2CConfig, GRPOConfig, PPOConfig
 
     assert type(load_config(None).algorithm) is GRPOConfig  # no name: grpo
     assert type(load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1"]).algorithm) is PPOConfig
@@ -302,3 +311,12 @@ def test_a_lag_or_an_evaluation_period_longer_than_the_run_is_refused(steps, lag
     else:
         cfg.check_run()
         assert (cfg.rollout.async_lag, cfg.eval.every, cfg.run.steps) == (lag, every, steps)
+
+
+def test_explain_is_one_line_a_key():
+    """A doc that quotes a newline ("\\n\\n" of model.stop_tokens) shows it escaped: every line is a key or a section."""
+    import re
+
+    lines = explain().splitlines()
+    assert all(re.match(r"^\s*\w+( = |:)", line) for line in lines), [x for x in lines if not re.match(r"^\s*\w+( = |:)", x)]
+    assert any('"\\n\\n"' in line for line in lines if "stop_tokens" in line)

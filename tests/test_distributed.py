@@ -343,3 +343,94 @@ def test_fsdp2_on_a_torch_older_than_2_7_is_refused_in_one_line(monkeypatch, ver
     monkeypatch.setattr("torch.__version__", version)
     with pytest.raises(ShardingError, match="upgrade torch"):
         sharding_from_launcher()  # before accelerate's plugin reads the rest
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node(out, rank: int, port: int, *sets, timeout: float = 600):
+    """One node of a two-node launch on this machine: torchrun --nnodes 2 --node_rank RANK, one process, the
+    static rendezvous over TCP at 127.0.0.1:PORT (what docs/scaling.md's "Several machines" runs per machine)."""
+    import os
+
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+            "--node_rank", str(rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+            "-m", "docuchat_rl", "train", "--config", str(ROOT / "config" / "default.yaml")]
+    for s in [*SHORT, f"run.output_dir={out}", *sets]:
+        args += ["--set", s]
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)  # (a node: a group)
+
+
+@pytest.mark.slow
+def test_two_nodes_equal_one_process(launched, tmp_path):
+    """Two nodes (two torchrun launches, one process each, rendezvous over TCP) give the one-process run's
+    completions and rewards, its metrics and weights to float tolerance (as two processes on one node do)."""
+    from safetensors.torch import load_file
+
+    opts = ["run.steps=3", "checkpoint.every=3", *GRPO]
+    one_dir, _ = launched(1, *opts)
+    port = _free_port()
+    nodes = [_node(tmp_path / "two", rank, port, *opts) for rank in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    one, two = _untimed(one_dir / "traces.jsonl"), _untimed(tmp_path / "two" / "traces.jsonl")
+    assert [(r["step"], r["prompt_id"], r["sample"], r["completion"], r["total"]) for r in one] == \
+        [(r["step"], r["prompt_id"], r["sample"], r["completion"], r["total"]) for r in two]
+    _assert_close(one, two)
+    _assert_close(_untimed(one_dir / "metrics.jsonl"), _untimed(tmp_path / "two" / "metrics.jsonl"))
+    a, b = (load_file(str(d / "checkpoint-3" / "adapter_model.safetensors")) for d in (one_dir, tmp_path / "two"))
+    assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() <= 1e-5 for k in a)
+
+
+def test_a_node_that_never_comes_fails_the_rendezvous_in_its_stated_time(tmp_path):
+    """Node 0 alone: the static rendezvous gives up after the timeout it was started with (--rdzv-conf timeout=20;
+    torchrun's default is 900 s), saying how many nodes joined; nothing is written in the run folder."""
+    import os
+    import time
+
+    port = _free_port()
+    args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank",
+            "0", "--master_addr", "127.0.0.1", "--master_port", str(port), "--rdzv-conf", "timeout=20",
+            "-m", "docuchat_rl", "train", "--set", f"run.output_dir={tmp_path / 'r'}", "--set", "run.steps=1"]
+    start = time.perf_counter()
+    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    took = time.perf_counter() - start
+    assert done.returncode != 0 and 20 <= took < 60, (done.returncode, took, done.stderr[-1500:])
+    assert "Timed out after" in done.stderr and "1/2 clients joined" in done.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_a_node_that_dies_stops_the_other_in_one_line_and_the_run_resumes(tmp_path):
+    """Node 1 killed (SIGKILL) after a checkpoint: node 0's next collective fails at once (gloo: the connection
+    closed), it says so in one line naming the intact checkpoint, and the run resumes from it in one process."""
+    import os
+    import signal
+    import time
+
+    out, port = tmp_path / "two", _free_port()
+    opts = ["run.steps=40", "checkpoint.every=1", "eval.before_and_after=false"]
+    nodes = [_node(out, rank, port, *opts) for rank in (0, 1)]
+    deadline = time.time() + 300
+    while not (out / "checkpoint-2" / "manifest.json").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    subprocess.run(["pkill", "-KILL", "-P", str(nodes[1].pid)])  # (the machine goes: its worker, which torchrun
+    os.kill(nodes[1].pid, signal.SIGKILL)  # starts in a session of its own, and the launcher)
+    killed = time.perf_counter()
+    _, err = nodes[0].communicate(timeout=120)
+    took = time.perf_counter() - killed
+    nodes[1].communicate()
+    lines = [x for x in err.splitlines() if x.startswith("docuchat-rl: error:")]
+    assert nodes[0].returncode != 0 and took < 60, (took, err[-1500:])
+    assert len(lines) == 1 and "another process of the run stopped" in lines[0] and "is intact" in lines[0], err[-1500:]
+    step = int((out / "latest").read_text().strip().split("-")[1])
+    assert step >= 2
+    resumed = _train(out, 1, *opts, f"run.steps={step + 1}", resume=True)
+    assert resumed.returncode == 0 and (out / "latest").read_text().strip() == f"checkpoint-{step + 1}"

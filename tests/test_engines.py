@@ -11,9 +11,9 @@ from .conftest import MODEL, ROOT
 
 def test_every_engine_is_registered_by_the_name_a_config_asks_for():
     from docuchat_rl.config import load_config
-    from docuchat_rl.sampling.engines import ENGINES, Engine, engine_name, get_engine_class, register_engine
+    from docuchat_rl.sampling.engines import ELSEWHERE, ENGINES, Engine, engine_name, get_engine_class, register_engine
 
-    assert {"fast", "hf", "vllm", "vllm-server"} <= set(ENGINES)
+    assert {"fast", "hf", "vllm", "vllm-server"} <= {*ENGINES, *ELSEWHERE}
     cases = {(): "fast", ("rollout.engine=hf",): "hf", ("rollout.engine=vllm",): "vllm",
              ("rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.vllm.server_base_url=http://h:1"): "vllm-server"}
     for sets, name in cases.items():

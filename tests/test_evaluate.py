@@ -8,7 +8,7 @@ import torch
 
 from docuchat_rl.config import load_config
 from docuchat_rl.data import load_examples
-from docuchat_rl.tools.evaluate import evaluate
+from docuchat_rl.evaluation import evaluate
 
 from .conftest import ROOT, TASK
 
@@ -55,7 +55,7 @@ def test_pass_at_k_does_not_move_the_callers_random_stream(tiny):
 
 def test_an_extra_held_out_set_that_is_missing_or_lacks_its_column_fails_naming_it(tmp_path):
     from docuchat_rl.data import DataError
-    from docuchat_rl.tools.evaluate import also_sets
+    from docuchat_rl.evaluation import also_sets
 
     with pytest.raises(DataError, match="nope/test.jsonl"):
         also_sets(load_config(None, [f"eval.also={{unseen: {tmp_path}/nope/test.jsonl}}"]))

@@ -8,7 +8,7 @@ from docuchat_rl.data import render_prompt
 from docuchat_rl.learning.batch import build_batch
 from docuchat_rl.learning.forward import policy_forward
 
-from .conftest import with_lora
+from .conftest import tiny_arch, with_lora
 
 
 def _prompts(tok):
@@ -142,30 +142,12 @@ def test_shared_prompt_forward_matches_rows_by_their_prompt_tokens_not_their_gro
     assert shared is not None and len(shared) == 1 and shared[0].shape[0] == 3
 
 
-def _tiny_arch(name, tok):
-    """Tiny random-weight configs of real architectures with the default model's tokenizer."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    if name == "qwen2":
-        return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, tie_word_embeddings=True))
-    if name == "gemma2":  # final-logit soft-capping: the chunked head must apply it too
-        return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, head_dim=8, final_logit_softcapping=3.0))
-    if name == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(**common, sliding_window=8))
-    if name == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=4, n_positions=512))
-    raise ValueError(name)
-
-
 @pytest.mark.parametrize("arch", ["default", "gemma2"])
 def test_chunked_entropy_bonus_gradients_equal_the_full_logits_path(tiny, arch):
     """With an entropy bonus (algorithm.ent_coef) the chunked path differentiates the entropy too: the
     written-out gradient -p (z - E[z]) equals autograd's through the whole [R, T, V] logits."""
     base, tok = tiny
-    model = base if arch == "default" else _tiny_arch(arch, tok)
+    model = base if arch == "default" else tiny_arch(arch, tok)
     pm = with_lora(model, ["q_proj", "v_proj", "lm_head"]).eval()
     try:
         batch = _group_batch(tok, [0, 0, 1, 2])
@@ -189,7 +171,7 @@ def test_chunked_log_probs_equal_the_full_logits_path_with_gradients(tiny, arch,
     """logit_chunk scores a few positions at a time from the hidden states (never all [R, T, V] logits):
     log-probs, entropies and LoRA gradients (lm_head included) equal the whole-tensor path."""
     base, tok = tiny
-    model = base if arch == "default" else _tiny_arch(arch, tok)
+    model = base if arch == "default" else tiny_arch(arch, tok)
     pm = with_lora(model, ["c_attn", "lm_head"] if arch == "gpt2" else ["q_proj", "v_proj", "lm_head"]).eval()
     try:
         batch = _group_batch(tok, [0, 0, 1, 1, 1])
@@ -255,7 +237,7 @@ def test_length_buckets_give_the_one_forward_values_hidden_and_gradients(tiny, a
     log-probs, entropies, hidden states and LoRA gradients equal one forward padded to the longest row;
     Mistral's sliding window (8 < the prompt) and Gemma2's soft-capping included."""
     base, tok = tiny
-    model = base if arch == "default" else _tiny_arch(arch, tok)
+    model = base if arch == "default" else tiny_arch(arch, tok)
     pm = with_lora(model, ["c_attn"] if arch == "gpt2" else ["q_proj", "v_proj", "down_proj"]).eval()
     calls = []
     hook = pm.get_base_model().base_model.register_forward_pre_hook(lambda *a: calls.append(1))

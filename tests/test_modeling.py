@@ -147,7 +147,7 @@ def test_bf16_mixed_trains_float32_lora_weights_and_samples_what_it_scores():
 
 @pytest.mark.slow
 def test_card_accuracy_is_in_band_and_re_measures_within_3_points(tiny):
-    from docuchat_rl.tools.evaluate import evaluate
+    from docuchat_rl.evaluation import evaluate
 
     card = json.loads((MODEL / "card.json").read_text())
     claimed = card["heldout"]["greedy_accuracy"]

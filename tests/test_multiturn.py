@@ -349,7 +349,7 @@ def test_an_environment_whose_reset_fails_drops_its_group(tmp_path, taught):
 def test_evaluation_runs_the_tool_loop_and_reports_tool_use(taught):
     from docuchat_rl.config import load_config
     from docuchat_rl.modeling import load_model_and_tokenizer
-    from docuchat_rl.tools.evaluate import evaluate
+    from docuchat_rl.evaluation import evaluate
 
     model, tok = load_model_and_tokenizer(str(taught), dtype="float32", device="cpu")
     cfg = load_config(None, ["rollout.tools=[tests.tool_envs.add]", "rollout.max_new_tokens=192", "eval.limit=8",
@@ -533,7 +533,7 @@ def test_an_environment_reward_of_nan_is_said_and_counted(tmp_path, taught):
 def test_evaluation_leaves_out_the_rows_whose_reset_failed_and_counts_them(taught):
     from docuchat_rl.config import load_config
     from docuchat_rl.modeling import load_model_and_tokenizer
-    from docuchat_rl.tools.evaluate import evaluate
+    from docuchat_rl.evaluation import evaluate
 
     model, tok = load_model_and_tokenizer(str(taught), dtype="float32", device="cpu")
     sets = ["rollout.environment_factory=tests.tool_envs.BrokenReset", "rollout.max_new_tokens=64", "eval.limit=12",

@@ -32,7 +32,7 @@ import torch
 
 from ..distributed import no_reduce
 from .advantages import decoupled_advantages, gae, group_advantages, nstep_returns, whiten
-from .algorithm_configs import ALGORITHMS, A2CConfig, GRPOConfig, PPOConfig
+from ..algorithm_configs import ALGORITHMS, A2CConfig, GRPOConfig, PPOConfig
 from .batch import Batch
 from .forward import PolicyOutput
 from .losses import (

@@ -28,7 +28,7 @@ import torch
 from ..config import Config
 from ..distributed import Dist
 from ..errors import TrainingError
-from ..modeling import CRITIC_ADAPTER, active_adapter
+from ..modeling import CRITIC_ADAPTER, REFERENCE_ADAPTER, active_adapter
 from .algorithms import Algorithm, RolloutNeeds
 from .batch import Batch
 from .forward import PolicyOutput, policy_forward
@@ -147,12 +147,19 @@ class Learner:
         if needs.ref_logps:
             batch.ref_logps = self._pass(batch, values=False, reference=True)[0]
 
+    def reference(self):
+        """The KL reference's context: the starting adapter when the run started from one (REFERENCE_ADAPTER,
+        run.start_adapters), else the base model (the adapter disabled)."""
+        if REFERENCE_ADAPTER in getattr(self.model, "peft_config", {}):
+            return active_adapter(self.model, REFERENCE_ADAPTER, self.params)
+        return self.model.disable_adapter()
+
     def _pass(self, batch: Batch, values: bool, reference: bool = False):
         """One no-grad pass over the batch, micro-batch by micro-batch -> (log-probs [R, T], values [R, T]
         masked to the completion, or None)."""
         logps = torch.zeros_like(batch.completion_mask)  # [R, T]
         vals = torch.zeros_like(batch.completion_mask)  # [R, T]
-        ctx = self.model.disable_adapter() if reference else contextlib.nullcontext()
+        ctx = self.reference() if reference else contextlib.nullcontext()
         with torch.no_grad(), ctx:
             for rows, mb in self.micro_batches(batch, slice(0, batch.rows)):
                 out = self.forward(mb, with_critic=values)

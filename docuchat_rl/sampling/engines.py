@@ -25,6 +25,7 @@ Deliberately left out: SGLang and TensorRT-LLM engines, and an engine chosen per
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,10 +34,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from ..modeling import merged_adapter
+from .generation import Generation, generate
+
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..config import Config, RolloutConfig
     from ..distributed import Dist
-    from .generation import Generation
 
 
 @dataclass
@@ -121,10 +124,19 @@ def engine_name(cfg: Config) -> str:
     return "vllm-server" if r.engine == "vllm" and r.vllm.mode == "server" else r.engine
 
 
+# Engines registered by modules of their own, imported when first named (the module imports this one to
+# register itself; importing it from here would close an import circle, .importlinter)
+ELSEWHERE = {"vllm-server": "docuchat_rl.sampling.vllm_server"}
+
+
 def get_engine_class(name: str) -> type[Engine]:
     """The engine registered as `name`; an unknown name fails listing the valid ones."""
+    if name not in ENGINES and name in ELSEWHERE:
+        import importlib
+
+        importlib.import_module(ELSEWHERE[name])
     if name not in ENGINES:
-        raise KeyError(f"unknown engine {name!r}; valid: {', '.join(sorted(ENGINES))}")
+        raise KeyError(f"unknown engine {name!r}; valid: {', '.join(sorted({*ENGINES, *ELSEWHERE}))}")
     return ENGINES[name]
 
 
@@ -137,7 +149,7 @@ def build_engine(ctx: EngineContext) -> Engine:
 @register_engine("hf")
 class LocalEngine(Engine):
     """Our decode loop (`fast`) or transformers.generate (`hf`) on a Hugging Face model in this process, with
-    the rollout's settings (merged adapter, grouped decode: `rollout.sample_rows`). On the learner's model it
+    the rollout's settings (merged adapter, grouped decode: `sample_rows`). On the learner's model it
     samples what the model holds; in a fixed lag's worker (no learner model in the context) it builds its own
     copy with the run's LoRA layout and puts each version's tensors in for the step that asks for it."""
 
@@ -159,8 +171,6 @@ class LocalEngine(Engine):
                 del self.versions[old]
 
     def generate(self, prompts: list[str], seeds: list[int], version: int, step: int | None = None) -> Generation:
-        from .rollout import sample_rows
-
         if self.owns_versions:
             from peft import set_peft_model_state_dict
 
@@ -169,8 +179,6 @@ class LocalEngine(Engine):
 
     def continue_rows(self, ids: list[list[int]], seeds: list[int], version: int, step: int | None,
                       max_new_tokens: int) -> Generation:
-        from .rollout import sample_rows
-
         return sample_rows(self.model, self.tokenizer, self.ctx.cfg.rollout, ids, seeds, self.ctx.lockstep,
                            num_generations=1, max_new_tokens=max_new_tokens)
 
@@ -257,4 +265,15 @@ class VLLMColocated(Engine):
         self.engine.close()
 
 
-from . import vllm_server  # noqa: F401  (registers "vllm-server"; imports no vLLM: it speaks HTTP)
+def sample_rows(model, tokenizer, r: RolloutConfig, prompts: list[str] | list[list[int]], seeds: list[int] | None,
+                lockstep=None, num_generations: int | None = None, max_new_tokens: int | None = None) -> Generation:
+    """G completions of each prompt with the rollout's settings (merged adapter, engine, grouped decode), each
+    row from its own seed: a step's sampling, in the learner's process or in a fixed lag's worker (lag.py).
+    A multi-turn row's next turn: its token ids as the prompt, one completion, at most `max_new_tokens`."""
+    with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
+        return generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens or r.max_new_tokens, do_sample=True,
+                        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
+                        num_return_sequences=num_generations or r.num_generations, engine=r.engine,
+                        min_new_tokens=0 if max_new_tokens else r.min_new_tokens, row_seeds=seeds, lockstep=lockstep,
+                        grouped_decode=r.grouped_decode, cuda_graphs=r.cuda_graphs,
+                        compile_decode=r.compile_decode, fused_projections=r.fused_projections)

@@ -323,7 +323,7 @@ def _bytes(state: dict[str, torch.Tensor]) -> bytes:
 
 def _work(cfg_dict: dict, dtype: str, device: str, threads: int, conn, parent: int, spec=None) -> None:
     """The worker process: the base model with the run's LoRA layout, sampling each asked step with the
-    adapter version it names, through the same function as the learner's process (rollout.sample_rows); with
+    adapter version it names, through the same function as the learner's process (engines.sample_rows); with
     `spec` (a vllm_engine.EngineSpec, rollout.engine vllm) a vLLM engine that serves the versions as LoRA
     adapters instead."""
     import ctypes

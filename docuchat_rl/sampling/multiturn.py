@@ -220,6 +220,14 @@ class Protocol:
             return [_call_of(body, "parameters")]
         return [_call_of(m.group(1).strip(), "arguments", closed=bool(m.group(2))) for m in _HERMES.finditer(text)]
 
+    def call_text(self, name: str, arguments: dict) -> str:
+        """A call as this protocol's model writes it, the text `parse` reads back (the text protocol's compact
+        form, a template's as it renders a call: Hermes' block on lines of its own, Llama 3's bare object)."""
+        if self.format == "llama3":
+            return json.dumps({"name": name, "parameters": arguments})
+        body = json.dumps({"name": name, "arguments": arguments})
+        return f"<tool_call>\n{body}\n</tool_call>" if self.template else f"<tool_call>{body}</tool_call>"
+
     def turn_text(self, ids: list[int]) -> str:
         """One assistant turn's text: special tokens kept (Hermes' <tool_call> may be one), the end-of-turn
         token(s) and padding removed."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from rewards import CompositeReward
 from rewards.composite import RewardRecord
@@ -28,14 +27,11 @@ from ..config import RolloutConfig
 from ..data import Example, PromptSampler
 from ..distributed import Dist
 from ..learning.batch import Batch, build_batch
-from ..modeling import merged_adapter
 from ..traces import TraceRecord, completion_fields
-from .generation import Generation, completion_texts, generate, row_seed
+from .engines import Engine, sample_rows
+from .generation import Generation, completion_texts, row_seed
 from .multiturn import turns_json
 from .scoring import score
-
-if TYPE_CHECKING:
-    from .engines import Engine
 
 
 class Timer:
@@ -139,20 +135,6 @@ def rewards_varied(group: list[RewardRecord]) -> bool:
     """
     totals = [r.total for r in group if not r.total_missing]
     return len(totals) > 1 and max(totals) - min(totals) > 1e-8
-
-
-def sample_rows(model, tokenizer, r: RolloutConfig, prompts: list[str] | list[list[int]], seeds: list[int] | None,
-                lockstep=None, num_generations: int | None = None, max_new_tokens: int | None = None) -> Generation:
-    """G completions of each prompt with the rollout's settings (merged adapter, engine, grouped decode), each
-    row from its own seed: a step's sampling, in the learner's process or in a fixed lag's worker (lag.py).
-    A multi-turn row's next turn: its token ids as the prompt, one completion, at most `max_new_tokens`."""
-    with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
-        return generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens or r.max_new_tokens, do_sample=True,
-                        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
-                        num_return_sequences=num_generations or r.num_generations, engine=r.engine,
-                        min_new_tokens=0 if max_new_tokens else r.min_new_tokens, row_seeds=seeds, lockstep=lockstep,
-                        grouped_decode=r.grouped_decode, cuda_graphs=r.cuda_graphs,
-                        compile_decode=r.compile_decode, fused_projections=r.fused_projections)
 
 
 class Collector:

@@ -22,15 +22,15 @@ import torch
 
 from rewards import CompositeReward
 
-from ..config import Config
-from ..data import Example, load_examples, load_split, render_prompt
-from ..distributed import Dist
-from ..errors import ToolError
-from ..modeling import eos_ids, merged_adapter
-from ..sampling.generation import completion_texts, generate, row_seed
-from ..sampling.multiturn import multiturn_from_config
-from ..sampling.scoring import build_reward, score
-from ..traces import reward_means
+from .config import Config
+from .data import Example, load_examples, load_split, render_prompt
+from .distributed import Dist
+from .errors import ToolError
+from .modeling import eos_ids, merged_adapter
+from .sampling.generation import completion_texts, generate, row_seed
+from .sampling.multiturn import multiturn_from_config
+from .sampling.scoring import build_reward, score
+from .traces import reward_means
 
 EVAL_STEP = 0  # pass@k's random streams are row_seed(run seed, EVAL_STEP, row, sample); training steps start at 1
 
