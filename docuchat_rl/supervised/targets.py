@@ -175,8 +175,8 @@ class Builder:
             i = r["prompt_id"]
             if i is None or not 0 <= i < len(self.examples) or self.examples[i].question != r["prompt"]:
                 raise DataError(f"sft.path {run}: step {r['step']} sample {r['sample']} was sampled from a prompt "
-                                f"that is not row {i} of data.train {self.examples and 'here'}: train from the "
-                                "data the traced run trained on")
+                                f"that is not row {i} of this recipe's data.train: learn from the traces of a run on "
+                                "the same training rows")
             if r["observation"]:
                 raise DataError(f"sft.path {run}: step {r['step']} prompt {i} began with an environment's "
                                 "observation, which the RL prompt does not hold: traces of environments are not "
