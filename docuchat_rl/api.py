@@ -100,8 +100,6 @@ def rows_of(data, cfg: Config, what: str) -> list[Example]:
 class RLTrainer:
     """A run of the recipe's algorithm (GRPO, PPO, A2C) from Python: `train()`, `evaluate()`, `generate()`."""
 
-    stage = "train"
-
     def __init__(self, recipe_: str | Path | Config | None = "default", *, rewards: list | None = None,
                  train_dataset=None, eval_dataset=None, model=None, tokenizer=None,
                  overrides: dict[str, Any] | list[str] | None = None, resume: str | None = None):
@@ -184,8 +182,6 @@ class RLTrainer:
 
 class SFTTrainer(RLTrainer):
     """The supervised stage from Python (`docuchat-rl sft`): the recipe's sft section, with the same surface."""
-
-    stage = "sft"
 
     def _start(self):
         from .supervised.trainer import SupervisedTrainer

@@ -121,7 +121,7 @@ def nll_sum(model, targets: list[Target], pad_id: int, logit_chunk: int, length_
     batch = batch.to(next(model.parameters()).device)
     out = policy_forward(model, batch, logit_chunk=logit_chunk, length_buckets=length_buckets)
     mask = batch.completion_mask  # [R, T]: target tokens, tool results 0
-    return -(out.logps * mask).sum(), int(mask.sum().item())
+    return -(out.logps * mask).sum(), sum(sum(t.loss_mask) for t in targets)  # (counted on the host: no device read)
 
 
 class SupervisedTrainer:
