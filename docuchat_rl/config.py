@@ -264,6 +264,14 @@ class RolloutConfig(Section):
     """Upper bound C_max of the sampler correction's ratio."""
 
     @property
+    def correction_in_effect(self) -> str | None:
+        """The sampler correction the update applies (None: none): `correction`, or under async_lag with none
+        set decoupled PPO's token_truncate. This default is decided here and nowhere else."""
+        if self.correction != "none":
+            return self.correction
+        return "token_truncate" if self.async_lag else None
+
+    @property
     def batch_rows(self) -> int:
         """Completions per step (P * G)."""
         return self.prompts_per_step * self.num_generations
@@ -299,6 +307,11 @@ class RewardsConfig(Section):
     """Stop the run after this many steps in a row in which no component produced a value for any completion (nothing to learn from)."""
     accuracy_component: str | None = "correctness"
     """Component whose raw score is reported as accuracy in logs (null: none)."""
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        """The components' weights, in order (what an algorithm that weighs them itself is handed)."""
+        return tuple(c.weight for c in self.components)
 
     @model_validator(mode="before")
     @classmethod

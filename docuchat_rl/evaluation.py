@@ -13,7 +13,6 @@ Deliberately left out: majority voting (maj@k) and per-difficulty breakdowns.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -26,7 +25,8 @@ from .config import Config
 from .data import Example, load_examples, load_split, render_prompt
 from .distributed import Dist
 from .errors import ToolError
-from .modeling import eos_ids, merged_adapter
+from .modeling import eos_ids
+from .sampling.decoding import Decoding
 from .sampling.generation import completion_texts, generate, row_seed
 from .sampling.multiturn import multiturn_from_config
 from .sampling.scoring import build_reward, score
@@ -109,7 +109,6 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
     out["completion_len/mean"] = float(np.mean([r.tokens for r in rows]))
     out["truncated_frac"] = float(np.mean([r.truncated for r in rows]))
     if cfg.rollout.multi_turn:
-        calls = sum(r.calls for r in rows)
         out["tool_calls/mean"] = float(np.mean([r.calls for r in rows]))
         out["tool_call_rate"] = float(np.mean([r.calls > 0 for r in rows]))
         ran = sum(r.ran_calls for r in rows)
@@ -133,25 +132,21 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
                render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages, cfg.data.few_shot_turns)
                for x in examples]
 
-    def merged():  # a fresh context each time: one sampling pass per `with`
-        return merged_adapter(model) if r.merge_adapter else contextlib.nullcontext()
+    # the rollout's sampling (its loop, switches, merged adapter), greedy, eval's batch size and length
+    greedy_decoding = Decoding.of(r, model, lockstep=lockstep is not None, do_sample=False, batch_size=e.batch_size,
+                                  num_return_sequences=1, max_new_tokens=max_new, min_new_tokens=0)
 
     def greedy(texts, n=max_new):
-        with merged():
-            return generate(model, tokenizer, texts, max_new_tokens=n, do_sample=False, batch_size=e.batch_size,
-                            engine=r.engine, grouped_decode=r.grouped_decode, cuda_graphs=r.cuda_graphs,
-                            compile_decode=r.compile_decode, fused_projections=r.fused_projections,
-                            lockstep=lockstep)
+        return generate(model, tokenizer, texts, greedy_decoding, max_new_tokens=n, lockstep=lockstep)
 
     if multiturn is not None:  # the tool loop, greedy (a turn's seed draws nothing)
         gen = multiturn.sample(list(range(len(examples))), examples, [0] * len(examples), lambda _: greedy(prompts),
                                lambda ids, seeds, n: greedy(ids, n))
     else:
         gen = greedy(prompts)
+    sampling = greedy_decoding.with_(do_sample=True, num_return_sequences=k)
     if k and not examples:  # (sharded generation, no rows here: join the others' sampling calls)
-        generate(model, tokenizer, [], max_new_tokens=max_new, do_sample=True, batch_size=e.batch_size,
-                 num_return_sequences=k, engine=r.engine, grouped_decode=r.grouped_decode, row_seeds=[],
-                 lockstep=lockstep)
+        generate(model, tokenizer, [], sampling, row_seeds=[], lockstep=lockstep)
     if not examples:
         return []
     texts = completion_texts(tokenizer, gen.completion_ids, eos_ids(model, tokenizer))
@@ -161,13 +156,8 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
         seeds = [row_seed(cfg.run.seed, EVAL_STEP, first + i, s) for i in range(len(examples)) for s in range(k)]
 
         def sampled(texts, row_seeds, n=max_new, per_prompt=k):
-            with merged():
-                return generate(model, tokenizer, texts, max_new_tokens=n, do_sample=True, temperature=r.temperature,
-                                top_p=r.top_p, top_k=r.top_k, batch_size=e.batch_size,
-                                num_return_sequences=per_prompt, engine=r.engine, grouped_decode=r.grouped_decode,
-                                cuda_graphs=r.cuda_graphs, compile_decode=r.compile_decode,
-                                fused_projections=r.fused_projections, row_seeds=row_seeds,
-                                lockstep=lockstep)
+            return generate(model, tokenizer, texts, sampling, max_new_tokens=n, num_return_sequences=per_prompt,
+                            row_seeds=row_seeds, lockstep=lockstep)
 
         with torch.random.fork_rng():  # eval must not shift the training run's random stream
             if multiturn is not None:  # k conversations a prompt, each turn from its own seed

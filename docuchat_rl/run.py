@@ -50,7 +50,7 @@ from .distributed import (
 from .errors import CheckpointError, CheckpointWarning, TrainingError
 from .learning.algorithms import Algorithm, get_algorithm_class
 from .learning.fused_lora import fuse_lora
-from .learning.learner import Learner
+from .learning.learner import Handed, Learner
 from .modeling import (
     REFERENCE_ADAPTER,
     add_critic_adapter,
@@ -62,7 +62,8 @@ from .modeling import (
     prepare_model,
 )
 from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir
-from .sampling.engines import Engine, EngineContext, LocalEngine, engine_name, get_engine_class
+from .sampling.decoding import rollout_engine
+from .sampling.engines import Engine, EngineContext, LocalEngine, get_engine_class
 from .sampling.lag import Ahead, LaggedPolicies, Lookahead
 from .sampling.multiturn import MultiTurn, ToolError, multiturn_from_config
 from .sampling.rollout import Collector
@@ -311,7 +312,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
     reward = build_reward(cfg.rewards)
     ctx = EngineContext(cfg, tokenizer, model, dist, out_dir, place.lockstep, place.sharding is not None)
-    kind = get_engine_class(engine_name(cfg))
+    kind = get_engine_class(rollout_engine(cfg.rollout))
     kind.check(ctx)  # (what it cannot serve, in one line, before anything starts)
     if cfg.rollout.async_lag and cfg.rollout.async_worker_threads:  # a fixed lag's worker process samples: its
         spec = kind.worker_spec(ctx)  # engine is built there (from `spec`: vLLM's), this process's never asked
@@ -358,8 +359,16 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
     sampler = make_sampler(len(examples), cfg.run.seed, state.sampler, curriculum)
     vocab = model.get_output_embeddings().weight.shape[0]
     chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
-    learner = Learner(cfg, model, algo, params, optimizer, scheduler, place.accelerator, dist,
-                      tokenizer.pad_token_id, chunk, bool(place.sharded_layers), state.nonfinite_streak)
+    r = cfg.rollout
+    handed = Handed(num_iterations=cfg.algorithm.num_iterations, n_minibatches=r.batch_rows // cfg.minibatch_rows,
+                    temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                    correction=r.correction_in_effect, correction_min=r.correction_min,
+                    correction_max=r.correction_max, decoupled=bool(r.async_lag),
+                    gradient_checkpointing=cfg.model.gradient_checkpointing,
+                    separate_critic=getattr(cfg.algorithm, "critic_backbone", "") == "separate",
+                    pad_id=tokenizer.pad_token_id, logit_chunk=chunk, sharded=bool(place.sharded_layers))
+    learner = Learner(cfg.optim, handed, model, algo, params, optimizer, scheduler, place.accelerator, dist,
+                      state.nonfinite_streak)
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
                           place.lockstep, max_steps=cfg.run.steps, engine=engine, stop=eos_ids(model, tokenizer))
     collector.multiturn = multiturn
@@ -402,7 +411,8 @@ def _model(cfg: Config, place: Placement, start: Path | None = None, reference: 
     told how generation sees them."""
     dist = place.dist
     model, tokenizer = policy_model(cfg, place, start, reference, loaded)
-    algo = get_algorithm_class(cfg.algorithm.name)(cfg, model.config.hidden_size, dist.sum)
+    algo = get_algorithm_class(cfg.algorithm.name)(cfg.algorithm, model.config.hidden_size, dist.sum,
+                                                   cfg.rewards.weights)
     params = [p for p in model.parameters() if p.requires_grad]
     if algo.critic is not None:
         algo.critic.to(dist.device)

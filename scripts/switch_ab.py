@@ -56,7 +56,7 @@ def main() -> None:
             t = time.perf_counter()
             g = generate(model, tok, prompts, max_new_tokens=r.max_new_tokens, do_sample=True,
                          temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                         num_return_sequences=r.num_generations, engine="fast", row_seeds=seeds, grouped_decode=flag)
+                         num_return_sequences=r.num_generations, loop="fast", row_seeds=seeds, grouped_decode=flag)
             key = f"grouped {'on' if flag else 'off'}"
             times[key].append(time.perf_counter() - t)
             print(f"rollout {rep} {key}: {times[key][-1]:.2f} s, {sum(map(len, g.completion_ids))} tokens", flush=True)

@@ -35,7 +35,7 @@ def test_registry_names_and_config_types():
     for name in algorithm_names():
         assert get_algorithm_class(name).config_type.model_fields["name"].default == name
     with pytest.raises(TypeError, match="grpo needs a GRPOConfig, got PPOConfig"):
-        GRPO(load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1"]))
+        GRPO(load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1"]).algorithm)
 
 
 def test_one_registry_holds_each_name_its_config_and_its_class():
@@ -59,7 +59,7 @@ def test_grpo_advantages_use_the_batch_groups_and_skip_rows_without_reward():
     cfg = load_config(None, ["rollout.num_generations=3", "rollout.prompts_per_step=2"])
     batch = _batch([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1], [[0.0, 0.0]] * 6,
                    valid=[True, True, True, False, True, True])
-    metrics = GRPO(cfg).advantages(batch)
+    metrics = GRPO(cfg.algorithm).advantages(batch)
     adv = batch.advantages[:, 0]
     assert adv[:3].tolist() == pytest.approx([2 / 3 / (math.sqrt(1 / 3) + 1e-4), -1 / 3 / (math.sqrt(1 / 3) + 1e-4),
                                               -1 / 3 / (math.sqrt(1 / 3) + 1e-4)], rel=1e-5)
@@ -75,7 +75,7 @@ def test_approx_kl_old_is_the_kl_estimator_for_samples_of_the_old_policy():
     old = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]])
     new = [[0.0, -1.5], [-0.5, 0.8]]  # log rho = 1, 0.5, 0, 1.5
     batch.old_logps, batch.advantages = old, torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
-    _, metrics = GRPO(cfg).policy_loss(_out(new), batch, _norm(batch))
+    _, metrics = GRPO(cfg.algorithm).policy_loss(_out(new), batch, _norm(batch))
     log_rho = torch.tensor(new) - old
     expected = float((log_rho.exp() - 1 - log_rho).mean())
     assert metrics["approx_kl_old"] == pytest.approx(expected, rel=1e-5)
@@ -94,7 +94,7 @@ def test_a2c_applies_the_k3_kl_term_when_beta_is_set():
     hidden = torch.zeros(2, 2, 8)
     losses = {}
     for beta in (0.0, 0.1):
-        algo = get_algorithm_class("a2c")(load_config(None, ["algorithm.name=a2c", f"algorithm.beta={beta}", *rows]), 8)
+        algo = get_algorithm_class("a2c")(load_config(None, ["algorithm.name=a2c", f"algorithm.beta={beta}", *rows]).algorithm, 8)
         out = PolicyOutput(torch.tensor(logps, requires_grad=True), None, hidden)
         losses[beta], metrics = algo.loss(out, batch, _norm(batch))
     d = batch.ref_logps - torch.tensor(logps)
@@ -133,7 +133,7 @@ def test_the_behaviour_correction_logs_the_mismatch_and_the_loss_weights_tokens_
     batch.behaviour_weights, corrected = behaviour_correction(trainer, batch.sampler_logps, batch.completion_mask,
                                                               "token_mask", 0.7, 2.0)
     assert corrected["sampler/capped_share"] == pytest.approx(1 / 4)  # exp(-0.5) = 0.61 < 0.7: masked
-    loss, _ = GRPO(load_config(None, base)).policy_loss(_out(trainer.tolist()), batch, _norm(batch))
+    loss, _ = GRPO(load_config(None, base).algorithm).policy_loss(_out(trainer.tolist()), batch, _norm(batch))
     # at mu = 1 the ratio is 1, so the loss is -mean over rows of the mean of A * w over tokens
     assert float(loss.detach()) == pytest.approx(-((1.0 + 0.0) / 2 + (-1.0 - 1.0) / 2) / 2, rel=1e-6)
 
@@ -146,7 +146,7 @@ def test_a_lagged_token_is_weighted_once_by_the_behaviour_ratio(algorithm):
     sets = [f"algorithm.name={algorithm}", "rollout.num_generations=2", "rollout.prompts_per_step=1",
             "rollout.async_lag=1", "rollout.correction=token_truncate"]
     cfg = load_config(None, sets)
-    algo = get_algorithm_class(algorithm)(cfg, 8)
+    algo = get_algorithm_class(algorithm)(cfg.algorithm, 8)
     learner_now = [[-1.0, -2.0], [-0.5, -0.2]]
     batch = _batch([1.0, 0.0], [0, 0], [[-1.0 - math.log(1.105), -2.0], [-0.5, -0.2]])  # the sampler's
     batch.advantages = torch.tensor([[1.0, 1.0], [-1.0, -1.0]])
@@ -170,7 +170,7 @@ def test_actor_critic_value_statistics_against_a_hand_computation():
     """value/mean, return/mean and value/error are masked means over the batch's completion tokens."""
     cfg = load_config(None, ["algorithm.name=ppo", "rollout.num_generations=1", "rollout.prompts_per_step=2",
                              "algorithm.gamma=1.0", "algorithm.lam=1.0"])
-    algo = get_algorithm_class("ppo")(cfg, 8)
+    algo = get_algorithm_class("ppo")(cfg.algorithm, 8)
     batch = _batch([0.5, -0.25], [0, 1], [[-1.0, -1.0, -1.0], [-1.0]])
     batch.values = torch.tensor([[0.1, -0.2, 0.3], [0.05, 0.0, 0.0]]) * batch.completion_mask
     m = algo.advantages(batch)

@@ -48,3 +48,41 @@ def test_the_loops_stay_one_read():
         node = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == cls)
         assert node.end_lineno - node.lineno + 1 <= 200, (cls, node.end_lineno - node.lineno + 1)
         assert len(src.splitlines()) <= 300, (path.name, len(src.splitlines()))
+
+
+def _names_in(path: Path) -> set[str]:
+    import ast
+
+    return {n.id for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Name)} | {
+        a.name.rsplit(".", 1)[-1] for n in ast.walk(ast.parse(path.read_text()))
+        if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+
+
+def test_the_learner_and_the_algorithms_take_their_own_sections():
+    """learning/ never names the whole Config: an algorithm is built from its own section (and the reward
+    weights it is handed), the learner from optim and a `Handed` record decided where the run is assembled;
+    a planted `cfg: Config` is caught."""
+    learning = sorted((ROOT / "docuchat_rl" / "learning").glob("*.py"))
+    assert {p.name for p in learning} >= {"learner.py", "algorithms.py"}
+    assert [p.name for p in learning if "Config" in _names_in(p)] == []
+    planted = Path(__file__).parent / "_planted_learner.py"
+    try:
+        planted.write_text("from docuchat_rl.config import Config\n")
+        assert "Config" in _names_in(planted)
+    finally:
+        planted.unlink()
+
+
+def test_nothing_after_the_engine_choice_switches_on_rollout_engine():
+    """The engine is chosen once (sampling/decoding.py, from the config that Config.for_device decided): no
+    other module compares `rollout.engine` with an engine's name (a trace's recorded engine is data, not a choice)."""
+    import re
+
+    pattern = re.compile(r"\.engine\s*(==|!=|\bin\b)")  # (r.engine == "vllm", cfg.rollout.engine in (...))
+    offenders = []
+    for path in sorted((ROOT / "docuchat_rl").rglob("*.py")):
+        if path.name in ("decoding.py", "config.py"):  # (the choice, and the checks of what a recipe may combine)
+            continue
+        offenders += [f"{path.relative_to(ROOT)}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                      if pattern.search(line) and not line.lstrip().startswith("#")]
+    assert offenders == []

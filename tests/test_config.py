@@ -320,3 +320,15 @@ def test_explain_is_one_line_a_key():
     lines = explain().splitlines()
     assert all(re.match(r"^\s*\w+( = |:)", line) for line in lines), [x for x in lines if not re.match(r"^\s*\w+( = |:)", x)]
     assert any('"\\n\\n"' in line for line in lines if "stop_tokens" in line)
+
+
+@pytest.mark.parametrize("sets,mode", [
+    ([], None),
+    (["rollout.async_lag=1"], "token_truncate"),  # decoupled PPO's default under a fixed lag
+    (["rollout.correction=sequence_mask"], "sequence_mask"),
+    (["rollout.async_lag=1", "rollout.correction=token_mask"], "token_mask"),
+])
+def test_the_sampler_correction_in_effect_is_decided_in_one_place(sets, mode):
+    """The learner is handed `rollout.correction_in_effect` (run.py): the default under a fixed lag is decided
+    by the config, not by the learner reading rollout.async_lag."""
+    assert load_config(None, ["run.steps=5", *sets]).rollout.correction_in_effect == mode

@@ -11,14 +11,20 @@ from .conftest import MODEL, ROOT
 
 def test_every_engine_is_registered_by_the_name_a_config_asks_for():
     from docuchat_rl.config import load_config
-    from docuchat_rl.sampling.engines import ELSEWHERE, ENGINES, Engine, engine_name, get_engine_class, register_engine
+    from docuchat_rl.sampling.decoding import local_loop, rollout_engine
+    from docuchat_rl.sampling.engines import ELSEWHERE, ENGINES, Engine, get_engine_class, register_engine
 
     assert {"fast", "hf", "vllm", "vllm-server"} <= {*ENGINES, *ELSEWHERE}
-    cases = {(): "fast", ("rollout.engine=hf",): "hf", ("rollout.engine=vllm",): "vllm",
-             ("rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.vllm.server_base_url=http://h:1"): "vllm-server"}
-    for sets, name in cases.items():
-        cfg = load_config(ROOT / "config" / "default.yaml", list(sets)).for_device("cpu")  # (auto decided)
-        assert engine_name(cfg) == name and issubclass(get_engine_class(name), Engine)
+    cases = {(): ("fast", "fast"), ("rollout.engine=hf",): ("hf", "hf"), ("rollout.engine=vllm",): ("vllm", "fast"),
+             ("rollout.engine=vllm", "rollout.vllm.mode=server", "rollout.vllm.server_base_url=http://h:1"):
+             ("vllm-server", "fast")}
+    for sets, (name, loop) in cases.items():
+        r = load_config(ROOT / "config" / "default.yaml", list(sets)).rollout
+        with pytest.raises(ValueError, match="still auto: decide the config for the device first"):
+            rollout_engine(r)
+        r = load_config(ROOT / "config" / "default.yaml", list(sets)).for_device("cpu").rollout  # (auto decided)
+        assert rollout_engine(r) == name and issubclass(get_engine_class(name), Engine)
+        assert local_loop(r) == loop  # (evaluation, generate and chat sample in this process)
     with pytest.raises(KeyError, match=r"unknown engine 'sglang'; valid: fast, hf, vllm, vllm-server"):
         get_engine_class("sglang")
 

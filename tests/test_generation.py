@@ -22,8 +22,8 @@ def test_fast_greedy_equals_transformers_generate(tiny):
     model, tok = tiny
     prompts = _prompts(tok, 24)  # different lengths: left padding inside every chunk
     kw = dict(max_new_tokens=40, do_sample=False, batch_size=16)
-    hf = generate(model, tok, prompts, engine="hf", **kw)
-    fast = generate(model, tok, prompts, engine="fast", **kw)
+    hf = generate(model, tok, prompts, loop="hf", **kw)
+    fast = generate(model, tok, prompts, loop="fast", **kw)
     assert fast.completion_ids == hf.completion_ids
     assert fast.truncated == hf.truncated and fast.prompt_ids == hf.prompt_ids
     assert any(not t for t in fast.truncated)  # some rows did stop at EOS
@@ -171,26 +171,26 @@ def test_sliding_window_model_falls_back_to_a_growing_cache_and_matches(tiny):
     with torch.no_grad():
         cache = model(**tok(prompts[:1], return_tensors="pt"), use_cache=True).past_key_values
     assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer"  # really the fallback path
-    fast = generate(model, tok, prompts, engine="fast", max_new_tokens=12, do_sample=False, num_return_sequences=2)
-    hf = generate(model, tok, [p for p in prompts for _ in range(2)], engine="hf", max_new_tokens=12,
+    fast = generate(model, tok, prompts, loop="fast", max_new_tokens=12, do_sample=False, num_return_sequences=2)
+    hf = generate(model, tok, [p for p in prompts for _ in range(2)], loop="hf", max_new_tokens=12,
                   do_sample=False)
     assert fast.completion_ids == hf.completion_ids
 
 
-def test_unknown_engine_is_refused(tiny):
+def test_unknown_decode_loop_is_refused(tiny):
     model, tok = tiny
-    with pytest.raises(ValueError, match="valid: fast, hf, vllm"):
-        generate(model, tok, ["x"], max_new_tokens=1, do_sample=False, engine="sglang")
+    with pytest.raises(ValueError, match="unknown decode loop 'sglang'; valid: fast, hf"):
+        generate(model, tok, ["x"], max_new_tokens=1, do_sample=False, loop="sglang")
 
 
 @pytest.mark.parametrize("engine", ["fast", "hf"])
 def test_min_new_tokens_gives_fixed_lengths(tiny, engine):
     model, tok = tiny
     prompts = _prompts(tok, 2)
-    free = generate(model, tok, prompts, max_new_tokens=60, do_sample=False, engine=engine)
+    free = generate(model, tok, prompts, max_new_tokens=60, do_sample=False, loop=engine)
     assert any(len(c) < 60 for c in free.completion_ids)  # it would stop early on its own
     fixed = generate(model, tok, prompts, max_new_tokens=60, min_new_tokens=60, do_sample=True,
-                     num_return_sequences=2, engine=engine)
+                     num_return_sequences=2, loop=engine)
     assert all(len(c) == 60 for c in fixed.completion_ids)
     assert all(tok.eos_token_id not in c[:-1] for c in fixed.completion_ids)
 
@@ -199,7 +199,7 @@ def test_min_new_tokens_gives_fixed_lengths(tiny, engine):
 def test_a_stop_token_ends_a_completion_where_it_is_first_drawn_and_is_not_in_its_text(tiny, engine):
     model, tok = tiny
     prompts = _prompts(tok, 6)
-    kw = dict(max_new_tokens=40, do_sample=False, engine=engine)
+    kw = dict(max_new_tokens=40, do_sample=False, loop=engine)
     free = generate(model, tok, prompts, **kw)
     # a token the model writes mid-completion, whose text is that one token again: made a stop
     row, stop_id = next((r, t) for r, c in enumerate(free.completion_ids) for t in c[2:-1]
@@ -231,14 +231,14 @@ def test_only_the_configured_processors_shape_the_distribution(tiny, engine):
 
     model, tok = tiny
     prompts = _prompts(tok, 4)
-    plain = generate(model, tok, prompts, engine=engine, max_new_tokens=30, do_sample=False)
+    plain = generate(model, tok, prompts, loop=engine, max_new_tokens=30, do_sample=False)
     gc = model.generation_config
     saved = (gc.repetition_penalty, gc.top_k, gc.no_repeat_ngram_size)
     gc.repetition_penalty, gc.top_k, gc.no_repeat_ngram_size = 1.5, 3, 2
     try:
-        greedy = generate(model, tok, prompts, engine=engine, max_new_tokens=30, do_sample=False)
+        greedy = generate(model, tok, prompts, loop=engine, max_new_tokens=30, do_sample=False)
         torch.manual_seed(0)
-        sampled = generate(model, tok, prompts, engine=engine, max_new_tokens=30, do_sample=True,
+        sampled = generate(model, tok, prompts, loop=engine, max_new_tokens=30, do_sample=True,
                            num_return_sequences=2, temperature=0.9)
     finally:
         gc.repetition_penalty, gc.top_k, gc.no_repeat_ngram_size = saved
@@ -260,7 +260,7 @@ def test_on_policy_the_trainer_scores_what_the_sampler_drew_from_under_top_k_and
     from docuchat_rl.learning.forward import policy_forward
 
     model, tok = tiny
-    sampled = generate(model, tok, _prompts(tok, 3), engine=engine, max_new_tokens=24, do_sample=True,
+    sampled = generate(model, tok, _prompts(tok, 3), loop=engine, max_new_tokens=24, do_sample=True,
                        num_return_sequences=2, temperature=0.9, top_k=top_k, top_p=top_p, row_seeds=list(range(6)))
     batch = build_batch(sampled.prompt_ids, sampled.completion_ids, [0.0] * 6, [0, 0, 1, 1, 2, 2],
                         tok.pad_token_id, sampler_logps=sampled.logps)
@@ -288,7 +288,7 @@ def test_row_seeds_make_each_row_independent_of_batching_and_engine(tiny):
     assert small.completion_ids == big.completion_ids
     alone = generate(model, tok, prompts[4:5], batch_size=64, row_seeds=seeds[12:15], **kw)  # other rows gone
     assert alone.completion_ids == big.completion_ids[12:15]
-    hf = generate(model, tok, prompts, batch_size=18, row_seeds=seeds, engine="hf", **kw)
+    hf = generate(model, tok, prompts, batch_size=18, row_seeds=seeds, loop="hf", **kw)
     assert hf.completion_ids == big.completion_ids
     assert len({tuple(c) for c in big.completion_ids}) > 6  # really sampled
 
@@ -316,21 +316,20 @@ def test_finished_rows_leave_the_decode_batch_and_every_row_samples_as_before(ti
     assert decode[0] == 32 and min(decode) < 32 and decode == sorted(decode, reverse=True)
     lengths = sorted(len(c) for c in fast.completion_ids)
     assert lengths[0] < lengths[-1]  # rows really ended at different steps
-    hf = generate(model, tok, prompts, engine="hf", **kw)
+    hf = generate(model, tok, prompts, loop="hf", **kw)
     assert fast.completion_ids == hf.completion_ids and fast.truncated == hf.truncated
     for a, b in zip(fast.logps, hf.logps):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("engine", ["fast", "hf", "vllm"])
+@pytest.mark.parametrize("engine", ["fast", "hf"])
 def test_generation_builds_no_autograd_graph(tiny, engine):
-    """Sampling runs without gradients whatever the engine name (vllm: our fast loop, as evaluation and
-    chat use it), even on a model with trainable parameters."""
+    """Sampling runs without gradients whatever the decode loop, even on a model with trainable parameters."""
     model, tok = tiny
     seen = []
     handle = model.register_forward_hook(lambda mod, args, out: seen.append(torch.is_grad_enabled()))
     try:
-        generate(model, tok, ["What is 2 + 2?"], max_new_tokens=3, do_sample=True, engine=engine)
+        generate(model, tok, ["What is 2 + 2?"], max_new_tokens=3, do_sample=True, loop=engine)
     finally:
         handle.remove()
     assert seen and not any(seen)

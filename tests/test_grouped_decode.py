@@ -200,11 +200,14 @@ def test_covers_reads_from_the_model_what_supports_reads_from_a_prefill(tiny, ar
 def test_a_gpu_hands_what_cuda_graphs_do_not_cover_to_transformers_generate(tiny, arch, on_gpu):
     """rollout.cuda_graphs is on on GPUs: a model its static decode covers decodes in the fast loop, any other
     through transformers.generate (the dynamic loop is slow there); on a CPU nothing changes."""
-    from docuchat_rl.sampling.generation import engine_on
+    from docuchat_rl.config import load_config
+    from docuchat_rl.sampling.decoding import local_loop
 
     _, tok = tiny
     model = _model(tok, arch)
-    assert engine_on(model, "fast", cuda_graphs=True, device_type="cuda", lockstep=False) == on_gpu
-    assert engine_on(model, "fast", cuda_graphs=True, device_type="cuda", lockstep=True) == "hf"
-    assert engine_on(model, "fast", cuda_graphs=True, device_type="cpu", lockstep=False) == "fast"
-    assert engine_on(model, "fast", cuda_graphs=False, device_type="cuda", lockstep=False) == "fast"
+    r = load_config(None, []).for_device("cuda").rollout  # (auto: the fast loop with cuda_graphs)
+    assert (r.engine, r.cuda_graphs) == ("fast", True)
+    assert local_loop(r, model, lockstep=False, device_type="cuda") == on_gpu
+    assert local_loop(r, model, lockstep=True, device_type="cuda") == "hf"
+    assert local_loop(r, model, lockstep=False, device_type="cpu") == "fast"
+    assert local_loop(r.model_copy(update={"cuda_graphs": False}), model, device_type="cuda") == "fast"

@@ -52,7 +52,7 @@ def test_each_step_is_sampled_by_the_adapter_of_step_t_minus_1_minus_lag(tmp_pat
             gen = generate(model, tok, prompts, max_new_tokens=r.max_new_tokens, do_sample=True,
                            temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                            num_return_sequences=r.num_generations,
-                           engine="fast", row_seeds=[t["seed"] for t in rows], grouped_decode=True,
+                           loop="fast", row_seeds=[t["seed"] for t in rows], grouped_decode=True,
                            batch_size=r.generation_batch_size)
         assert gen.completion_ids == [t["completion_ids"] for t in rows], step
         if step == 4:  # a tampered token's log-prob at the divergence is the sampling version's (1), not 3's

@@ -37,10 +37,10 @@ def test_a_metric_named_max_is_averaged_unless_declared():
 def test_each_algorithm_asks_for_the_passes_it_reads(sets, old, ref, values):
     cfg = load_config(None, sets)
     updates = cfg.algorithm.num_iterations * (cfg.rollout.batch_rows // cfg.minibatch_rows)
-    needs = rollout_passes(get_algorithm_class(cfg.algorithm.name)(cfg, 8), updates)
+    needs = rollout_passes(get_algorithm_class(cfg.algorithm.name)(cfg.algorithm, 8), updates)
     assert (needs.old_logps, needs.ref_logps, needs.values) == (old, ref, values)
-    lagged = rollout_passes(get_algorithm_class(cfg.algorithm.name)(load_config(None, [*sets, "rollout.async_lag=1"]), 8),
-                            updates)
+    lagged_cfg = load_config(None, [*sets, "rollout.async_lag=1"])
+    lagged = rollout_passes(get_algorithm_class(cfg.algorithm.name)(lagged_cfg.algorithm, 8), updates)
     assert lagged == needs  # (a fixed lag adds no pass: the proximal policy is the learner's, as without one)
 
 

@@ -227,7 +227,7 @@ def test_model_token_log_probs_equal_a_teacher_forced_forward_and_tool_tokens_ge
     from docuchat_rl.learning.losses import Normalisers
 
     cfg = load_config(None, ["rollout.num_generations=4", "rollout.prompts_per_step=2", "rollout.max_new_tokens=192"])
-    algo = get_algorithm_class(cfg.algorithm.name)(cfg)
+    algo = get_algorithm_class(cfg.algorithm.name)(cfg.algorithm)
     algo.advantages(batch)
     batch.old_logps = batch.sampler_logps
     loss, _ = algo.loss(PolicyOutput(leaf, None, None), batch,
@@ -391,7 +391,7 @@ def test_actor_critic_advantages_skip_tool_tokens(algo):
                                                                                    "algorithm.gamma=0.9"]
     cfg = load_config(None, [f"algorithm.name={algo}", "rollout.num_generations=1", "rollout.prompts_per_step=2",
                              "algorithm.whiten_advantages=false", *extra])
-    a = get_algorithm_class(algo)(cfg, hidden_size=8)
+    a = get_algorithm_class(algo)(cfg.algorithm, hidden_size=8)
     ids, mask = [5, 6, 7, 8, 9, 10, 11], [1, 1, 0, 0, 0, 1, 1]
     values = torch.tensor([[0.1, 0.2, 0.9, 0.9, 0.9, 0.3, 0.4], [0.5, 0.6, 0, 0, 0, 0, 0]])
     multi = build_batch([[1], [1]], [ids, [5, 6]], [1.0, 0.0], [0, 1], 0, model_masks=[mask, [1, 1]])

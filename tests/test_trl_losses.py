@@ -120,7 +120,7 @@ def both_losses(trainer, inputs, cfg, batch, old, sampler, norm_tokens=None):
     their_grads = [p.grad.clone() for p in params]
     model.zero_grad()
 
-    algo = GRPO(cfg)
+    algo = GRPO(cfg.algorithm, reward_weights=cfg.rewards.weights)
     metrics = algo.advantages(batch)
     batch.old_logps, batch.sampler_logps = old, sampler
     tokens = sum(batch.info.loss_lens) if norm_tokens is None else norm_tokens

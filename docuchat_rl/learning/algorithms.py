@@ -2,7 +2,7 @@
 
 The trainer calls every algorithm the same way and never looks at its name:
 
-    algo = get_algorithm_class(cfg.algorithm.name)(cfg, hidden_size, reduce)   # cfg.algorithm: its config_type
+    algo = get_algorithm_class(cfg.algorithm.name)(cfg.algorithm, hidden_size, reduce, reward_weights)
     algo.needs()                                -> RolloutNeeds: which no-grad passes the learner runs
                                                    before the update (old / reference log-probs, values)
     algo.values(hidden)                         -> the critic's values [R, T] from hidden states [R, T, H]
@@ -12,7 +12,9 @@ The trainer calls every algorithm the same way and never looks at its name:
     algo.critic                                 -> None, or a module trained and saved with the adapter
     algo.trace_fields(batch)                    -> per-row values for the traces
 
-`reduce` sums a tensor over the processes of a data-parallel run (the identity on one process).
+An algorithm takes its own section of the config (`config_type`) and what it is handed: the policy's hidden
+size (for a critic), `reduce`, which sums a tensor over the processes of a data-parallel run (the identity on one
+process), and the reward components' weights in order (`rewards.components`, for normalize_then_sum).
 
 Every policy loss takes the ratio against the proximal policy (`batch.old_logps`: the learner at the
 update's start; the policy itself, detached, for one update per rollout) and multiplies each token by
@@ -26,7 +28,7 @@ Deliberately left out: algorithms that need a separate reward model or a second 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -50,9 +52,6 @@ from .losses import (
     value_loss,
     vespo_weights,
 )
-
-if TYPE_CHECKING:
-    from ..config import Config
 
 
 
@@ -105,23 +104,24 @@ class Algorithm:
     #: the rollout-time log-probs are needed even for a single on-policy update (e.g. KL in the reward)
     needs_rollout_logps: bool = False
 
-    def __init__(self, cfg: Config, hidden_size: int | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce):
-        if not isinstance(cfg.algorithm, self.config_type):
-            raise TypeError(f"{self.name} needs a {self.config_type.__name__}, got {type(cfg.algorithm).__name__}")
-        self.cfg = cfg
+    def __init__(self, cfg, hidden_size: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce, reward_weights: tuple[float, ...] = ()):
+        if not isinstance(cfg, self.config_type):
+            raise TypeError(f"{self.name} needs a {self.config_type.__name__}, got {type(cfg).__name__}")
+        self.cfg = cfg  # the algorithm's section (config_type)
         self.reduce = reduce  # sums over the processes of a data-parallel run
+        self.reward_weights = tuple(reward_weights)  # rewards.components' weights, in order
 
     @property
     def entropy_grad(self) -> bool:
         """The loss differentiates through the entropy (an entropy bonus)."""
-        return self.cfg.algorithm.ent_coef > 0
+        return self.cfg.ent_coef > 0
 
     def needs(self) -> RolloutNeeds:
         """The no-grad passes the algorithm itself reads: the rollout-time log-probs when its reward reads
         them (a KL in the reward), reference log-probs when beta > 0, values when there is a critic. (The
         learner adds the proximal log-probs when the policy moves before the last minibatch is scored.)"""
-        return RolloutNeeds(old_logps=self.needs_rollout_logps, ref_logps=self.cfg.algorithm.beta > 0,
+        return RolloutNeeds(old_logps=self.needs_rollout_logps, ref_logps=self.cfg.beta > 0,
                             values=self.critic is not None)
 
     def values(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -147,7 +147,7 @@ class Algorithm:
     @property
     def kl_loss(self) -> bool:
         """A k3 KL term against the reference goes into the loss (beta > 0, not folded into the reward)."""
-        a = self.cfg.algorithm
+        a = self.cfg
         return a.beta > 0 and not getattr(a, "kl_in_reward", False)
 
     def kl_term(self, out: PolicyOutput, mb: Batch, per_token: torch.Tensor, metrics: dict) -> torch.Tensor:
@@ -156,11 +156,11 @@ class Algorithm:
             return per_token
         kl = k3_kl(out.logps, mb.ref_logps)  # [r, T]
         metrics["kl"] = masked_mean(kl.detach(), mb.completion_mask).detach()
-        return per_token + self.cfg.algorithm.beta * kl
+        return per_token + self.cfg.beta * kl
 
     def policy_loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         """The clipped surrogate (+ k3 KL when beta > 0), sampler-corrected, aggregated; GRPO and PPO."""
-        a, mask = self.cfg.algorithm, mb.completion_mask
+        a, mask = self.cfg, mb.completion_mask
         old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)
         per_token, low, high = clipped_surrogate(log_rho, mb.advantages, a.epsilon_low, a.epsilon_high)
@@ -197,11 +197,11 @@ class GRPO(Algorithm):
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         """Each row's reward against its group's (or, decoupled, each component's against its group's)."""
-        a = self.cfg.algorithm
+        a = self.cfg
         adv, zero_std = group_advantages(batch.rewards, batch.group, a.scale, a.std_epsilon,
                                          valid=batch.reward_valid, reduce=self.reduce)  # [R], [groups]
         if a.multi_objective_aggregation == "normalize_then_sum":
-            weights = torch.tensor([c.weight for c in self.cfg.rewards.components])  # [K]
+            weights = torch.tensor(self.reward_weights)  # [K]
             adv = decoupled_advantages(batch.component_rewards, weights, batch.group, a.std_epsilon,
                                        valid=batch.reward_valid, reduce=self.reduce)  # [R]
         batch.advantages = adv.unsqueeze(-1) * batch.completion_mask  # [R, T]
@@ -210,7 +210,7 @@ class GRPO(Algorithm):
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         """The configured surrogate, then the masks, sampler weights, KL, aggregation and entropy bonus."""
-        a, mask, adv = self.cfg.algorithm, mb.completion_mask, mb.advantages
+        a, mask, adv = self.cfg, mb.completion_mask, mb.advantages
         old = mb.old_logps if mb.old_logps is not None else out.logps.detach()  # mu = 1: ratio is 1
         log_rho = log_ratio(out.logps, old, mask, a.ratio_level)  # [r, T] or [r, 1]
         weights, metrics = mb.behaviour_weights, {}  # (pi_prox / pi_sampler, from the learner)
@@ -289,14 +289,14 @@ class ActorCritic(Algorithm):
     """Shared parts of PPO and A2C: the value head (the trainer fills batch.values from it at rollout
     time), token rewards, returns and whitened advantages, and the critic's loss terms."""
 
-    def __init__(self, cfg: Config, hidden_size: int | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce):
-        super().__init__(cfg, hidden_size, reduce)
-        self.critic = ValueHead(hidden_size, cfg.algorithm.critic_gain)
+    def __init__(self, cfg, hidden_size: int | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] = no_reduce, reward_weights: tuple[float, ...] = ()):
+        super().__init__(cfg, hidden_size, reduce, reward_weights)
+        self.critic = ValueHead(hidden_size, cfg.critic_gain)
 
     @property
     def needs_rollout_logps(self) -> bool:
-        return self.cfg.algorithm.kl_in_reward and self.cfg.algorithm.beta > 0
+        return self.cfg.kl_in_reward and self.cfg.beta > 0
 
     def returns_and_advantages(self, batch: Batch, rewards, dones) -> tuple[torch.Tensor, torch.Tensor]:
         """(advantages [R, T], returns [R, T]) from token rewards and dones and batch.values."""
@@ -313,7 +313,7 @@ class ActorCritic(Algorithm):
 
     def advantages(self, batch: Batch) -> dict[str, float]:
         """Token rewards -> the subclass's advantages and returns (whitened if asked), and value metrics."""
-        a = self.cfg.algorithm
+        a = self.cfg
         valid = batch.reward_valid.float().unsqueeze(-1)  # [R, 1]: rows without a reward value drop out
         mask = batch.completion_mask * valid  # [R, T]
         rewards, dones = token_rewards(batch, a.beta, a.kl_in_reward)
@@ -332,7 +332,7 @@ class ActorCritic(Algorithm):
 
     def critic_terms(self, out: PolicyOutput, mb: Batch, norm: Normalisers, clip: float | None):
         """vf_coef * value loss - ent_coef * entropy, aggregated like the policy loss, and metrics."""
-        a, mask = self.cfg.algorithm, mb.completion_mask
+        a, mask = self.cfg, mb.completion_mask
         values = self.values(out.hidden)  # [r, T]
         per_token = value_loss(values, mb.values, mb.returns, clip)  # [r, T]
         total = a.vf_coef * aggregate(per_token, mask, a.loss_aggregation, norm)
@@ -354,12 +354,12 @@ class PPO(ActorCritic):
     """
 
     def returns_and_advantages(self, batch, rewards, dones):
-        a = self.cfg.algorithm
+        a = self.cfg
         return gae(rewards, batch.values, dones, torch.zeros(batch.rows, device=rewards.device), a.gamma, a.lam)
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         policy, metrics = self.policy_loss(out, mb, norm)
-        critic, cm = self.critic_terms(out, mb, norm, self.cfg.algorithm.vf_clip)
+        critic, cm = self.critic_terms(out, mb, norm, self.cfg.vf_clip)
         return policy + critic, {**metrics, **cm}
 
 
@@ -371,14 +371,14 @@ class A2C(ActorCritic):
 
     def returns_and_advantages(self, batch, rewards, dones):
         """n-step returns bootstrapped from the critic's values; advantage = return - value."""
-        a = self.cfg.algorithm
+        a = self.cfg
         ret = nstep_returns(rewards, batch.values, dones, torch.zeros(batch.rows, device=rewards.device),
                             a.gamma, a.n_steps)
         return ret - batch.values, ret
 
     def loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
         """-A * log pi (sampler-corrected, + KL) plus the critic's terms; no ratio."""
-        a, mask = self.cfg.algorithm, mb.completion_mask
+        a, mask = self.cfg, mb.completion_mask
         metrics: dict = {}
         per_token = -mb.advantages * out.logps  # [r, T]
         if mb.behaviour_weights is not None:  # (a fixed lag's samples, or rollout.correction: pi / pi_sampler)

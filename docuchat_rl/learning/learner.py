@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from ..config import Config
+from ..config import OptimConfig
 from ..distributed import Dist
 from ..errors import TrainingError
 from ..modeling import CRITIC_ADAPTER, REFERENCE_ADAPTER, active_adapter
@@ -74,6 +74,28 @@ class MetricAccumulator:
         return out
 
 
+@dataclass(frozen=True)
+class Handed:
+    """What the learner is handed beside its own section (optim): the settings of other sections it obeys,
+    each decided once where the run is assembled (run.py), none re-derived here."""
+
+    num_iterations: int  # passes over a step's batch (the algorithm's)
+    n_minibatches: int  # optimizer steps per pass (rollout.batch_rows // the minibatch's rows)
+    temperature: float  # the sampler's distribution, under which the log-probs are taken
+    top_k: int
+    top_p: float
+    max_new_tokens: int  # the fixed-length normaliser of a loss that asks for it
+    correction: str | None  # the sampler correction in effect (RolloutConfig.correction, decided at load)
+    correction_min: float
+    correction_max: float
+    decoupled: bool  # a fixed lag: decoupled PPO (the current policy's log-probs go to the correction)
+    gradient_checkpointing: bool  # (the shared-prompt forward is off under it in train mode)
+    separate_critic: bool  # the critic reads hidden states of its own adapter (a second forward)
+    pad_id: int  # a placeholder row's token (sharded: micro-batches padded to every process's count)
+    logit_chunk: int  # positions a logits chunk covers (0: all at once)
+    sharded: bool  # FSDP2-sharded layers: no shared prompt, no length buckets, padded micro-batches
+
+
 def rollout_passes(algo: Algorithm, updates_per_step: int) -> RolloutNeeds:
     """The no-grad passes before an update: what the algorithm reads, and the proximal log-probs (the policy at
     the update's start, whose ratio the loss clips) when the policy moves before the last minibatch is scored
@@ -86,14 +108,13 @@ class Learner:
     """The trainable side of a run: the peft model (and the algorithm's critic), the optimizer and the
     schedule; it scores batches and updates the adapter."""
 
-    def __init__(self, cfg: Config, model, algo: Algorithm, params: list[torch.nn.Parameter], optimizer, scheduler,
-                 accelerator, dist: Dist, pad_id: int, logit_chunk: int, sharded: bool, nonfinite_streak: int = 0):
-        self.cfg, self.model, self.algo, self.params = cfg, model, algo, params
+    def __init__(self, optim: OptimConfig, handed: Handed, model, algo: Algorithm, params: list[torch.nn.Parameter],
+                 optimizer, scheduler, accelerator, dist: Dist, nonfinite_streak: int = 0):
+        self.optim, self.handed, self.model, self.algo, self.params = optim, handed, model, algo, params
         self.optimizer, self.scheduler, self.accelerator, self.dist = optimizer, scheduler, accelerator, dist
-        self.pad_id, self.logit_chunk, self.sharded = pad_id, logit_chunk, sharded
-        self.separate_critic = algo.critic is not None and getattr(cfg.algorithm, "critic_backbone", "") == "separate"
-        self.n_minibatches = cfg.rollout.batch_rows // cfg.minibatch_rows
-        self.updates_per_step = cfg.algorithm.num_iterations * self.n_minibatches
+        self.sharded, self.separate_critic = handed.sharded, handed.separate_critic
+        self.n_minibatches = handed.n_minibatches
+        self.updates_per_step = handed.num_iterations * self.n_minibatches
         self.nonfinite_streak = nonfinite_streak  # optimizer steps skipped in a row (checkpointed)
 
     # ---------------------------------------------------------------- forward
@@ -105,11 +126,11 @@ class Learner:
         # no shared-prompt forward and no length buckets when sharded (their number of model calls depends on
         # the rows); no shared prompt under gradient checkpointing in train mode (transformers' checkpointed
         # layers drop the KV cache it hands on)
-        checkpointed = self.cfg.model.gradient_checkpointing and self.model.training
-        r = self.cfg.rollout  # (the sampler's distribution: temperature and truncation)
-        kw.update(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, logit_chunk=self.logit_chunk,
-                  share_prompt=self.cfg.optim.share_prompt and not self.sharded and not checkpointed,
-                  length_buckets=1 if self.sharded else self.cfg.optim.length_buckets)
+        h = self.handed  # (the sampler's distribution: temperature and truncation)
+        checkpointed = h.gradient_checkpointing and self.model.training
+        kw.update(temperature=h.temperature, top_k=h.top_k, top_p=h.top_p, logit_chunk=h.logit_chunk,
+                  share_prompt=self.optim.share_prompt and not self.sharded and not checkpointed,
+                  length_buckets=1 if self.sharded else self.optim.length_buckets)
         out = policy_forward(self.model, mb, with_hidden=critic and not self.separate_critic, **kw)
         if critic and self.separate_critic:
             with active_adapter(self.model, CRITIC_ADAPTER, self.params):
@@ -120,12 +141,12 @@ class Learner:
         """(rows, micro-batch) for the contiguous `rows` of `batch`, `micro_batch_size` at a time; when
         sharded, padded with (None, a placeholder row that trains nothing) to the count of the process with
         the most, since each forward through the sharded layers is a collective."""
-        size = self.cfg.optim.micro_batch_size
+        size = self.optim.micro_batch_size
         parts = [slice(a, min(a + size, rows.stop)) for a in range(rows.start, rows.stop, size)]
         out: list[tuple[slice | None, Batch]] = [(r, batch.select(r)) for r in parts]
         missing = self.dist.steps(len(out)) - len(out) if self.sharded else 0
         if missing:
-            out += [(None, batch.placeholder(self.pad_id))] * missing
+            out += [(None, batch.placeholder(self.handed.pad_id))] * missing
         return out
 
     # ---------------------------------------------------------------- the no-grad passes
@@ -191,7 +212,7 @@ class Learner:
         acc = MetricAccumulator(self.algo.metric_reductions, batch.input_ids.device)
         grad_norms, losses, skipped = [], [], 0
         self.model.train()
-        for _ in range(self.cfg.algorithm.num_iterations):
+        for _ in range(self.handed.num_iterations):
             for k in range(self.n_minibatches):
                 total = self._accumulate(batch, slice(bounds[k], bounds[k + 1]), acc)
                 grad_norm = self._step(total, step)
@@ -209,10 +230,10 @@ class Learner:
     def _accumulate(self, batch: Batch, rows: slice, acc: MetricAccumulator) -> float:
         """Forward and backward over one minibatch's micro-batches -> its loss summed over processes (the one
         read from the device per optimizer step, with the gradient norm)."""
-        dist, cfg = self.dist, self.cfg
+        dist = self.dist
         lens = batch.info.loss_lens[rows]
         n_rows, tokens = dist.sum_floats([float(len(lens)), float(sum(lens))])
-        norm = Normalisers(rows=max(int(n_rows), 1), tokens=tokens, max_new_tokens=cfg.rollout.max_new_tokens)
+        norm = Normalisers(rows=max(int(n_rows), 1), tokens=tokens, max_new_tokens=self.handed.max_new_tokens)
         total = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
         for sub, mb in self.micro_batches(batch, rows):
             out = self.forward(mb, with_entropy=True, entropy_grad=self.algo.entropy_grad)
@@ -231,19 +252,18 @@ class Learner:
 
     def behaviour(self, out: PolicyOutput, mb: Batch) -> tuple[torch.Tensor | None, dict]:
         """The sampler's side of a micro-batch (losses.behaviour_correction): the mismatch between the proximal
-        policy and the sampler, and the weights pi_prox / pi_sampler that `rollout.correction` asks for, or,
-        under a fixed lag with no correction set, decoupled PPO's truncated weight in [correction_min,
-        correction_max]; applied once, by the algorithm's loss."""
-        r = self.cfg.rollout
+        policy and the sampler, and the weights pi_prox / pi_sampler that the correction in effect asks for
+        (under a fixed lag by default decoupled PPO's truncated weight in [correction_min, correction_max]);
+        applied once, by the algorithm's loss."""
+        h = self.handed
         prox = mb.old_logps if mb.old_logps is not None else out.logps.detach()
-        mode = r.correction if r.correction != "none" else ("token_truncate" if r.async_lag else None)
-        return behaviour_correction(prox, mb.sampler_logps, mb.completion_mask, mode, r.correction_min,
-                                    r.correction_max, current_logps=out.logps if r.async_lag else None)
+        return behaviour_correction(prox, mb.sampler_logps, mb.completion_mask, h.correction, h.correction_min,
+                                    h.correction_max, current_logps=out.logps if h.decoupled else None)
 
     def _step(self, total: float, step: int) -> float | None:
         """Clip and apply the summed gradients -> the gradient norm, or None when the loss or the norm is
         not finite (no weight or optimizer-state change; the schedule keeps its pace)."""
-        cfg = self.cfg.optim
+        cfg = self.optim
         grad_norm = float(self.accelerator.clip_grad_norm_(self.params, cfg.max_grad_norm or float("inf")))
         applied = math.isfinite(grad_norm) and math.isfinite(total)
         if applied:

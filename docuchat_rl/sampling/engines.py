@@ -4,7 +4,8 @@ An engine turns a step's prompts (rendered text, G completions each, one seed pe
 `Generation` (token ids, truncation flags, the sampler's log-prob of every token) sampled by a given adapter
 version, and a multi-turn row's next turn from its token ids (`continue_rows`, for the tool loop of
 `multiturn.py`). The collector (`rollout.py`), the fixed lag (`lag.py`) and replay talk to this interface only;
-`engine_name(cfg)` picks the class from `rollout.engine` and `rollout.vllm.mode`:
+`decoding.rollout_engine` names the class from `rollout.engine` and `rollout.vllm.mode` (the engine choice, made
+there once):
 
     fast          our decode loop on the learner's model, in this process (generation.py)
     hf            transformers.generate on the learner's model, in this process
@@ -25,7 +26,6 @@ Deliberately left out: SGLang and TensorRT-LLM engines, and an engine chosen per
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..modeling import merged_adapter
+from .decoding import Decoding, rollout_engine
 from .generation import Generation, generate
 
 if TYPE_CHECKING:
-    from ..config import Config, RolloutConfig
+    from ..config import Config
     from ..distributed import Dist
 
 
@@ -109,19 +109,13 @@ ENGINES: dict[str, type[Engine]] = {}
 
 
 def register_engine(name: str) -> Callable[[type[Engine]], type[Engine]]:
-    """Class decorator: the engine `name` (what `engine_name` returns for a config) is this class."""
+    """Class decorator: the engine `name` (what `decoding.rollout_engine` returns for a config) is this class."""
     def deco(cls: type[Engine]) -> type[Engine]:
         if ENGINES.get(name, cls) is not cls:
             raise ValueError(f"engine {name!r} already has a class ({ENGINES[name].__name__})")
         ENGINES[name] = cls
         return cls
     return deco
-
-
-def engine_name(cfg: Config) -> str:
-    """The registered engine a (decided) config asks for."""
-    r = cfg.rollout
-    return "vllm-server" if r.engine == "vllm" and r.vllm.mode == "server" else r.engine
 
 
 # Engines registered by modules of their own, imported when first named (the module imports this one to
@@ -142,7 +136,7 @@ def get_engine_class(name: str) -> type[Engine]:
 
 def build_engine(ctx: EngineContext) -> Engine:
     """The engine the run's config asks for."""
-    return get_engine_class(engine_name(ctx.cfg))(ctx)
+    return get_engine_class(rollout_engine(ctx.cfg.rollout))(ctx)
 
 
 @register_engine("fast")
@@ -159,6 +153,7 @@ class LocalEngine(Engine):
         if self.model is None:  # (a worker process: its own copy of the policy)
             self.model, self.tokenizer = _own_policy(ctx.cfg)
         self.owns_versions = ctx.model is None
+        self.decoding = Decoding.of(ctx.cfg.rollout, self.model, lockstep=ctx.lockstep is not None)
 
     def begin_step(self, model, version: int) -> None:
         if not self.owns_versions:  # (the learner's model as the loop hands it: wrapped, a lagged version in)
@@ -175,12 +170,12 @@ class LocalEngine(Engine):
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(self.model, self.versions[version], adapter_name="default")
-        return sample_rows(self.model, self.tokenizer, self.ctx.cfg.rollout, prompts, seeds, self.ctx.lockstep)
+        return sample_rows(self.model, self.tokenizer, self.decoding, prompts, seeds, self.ctx.lockstep)
 
     def continue_rows(self, ids: list[list[int]], seeds: list[int], version: int, step: int | None,
                       max_new_tokens: int) -> Generation:
-        return sample_rows(self.model, self.tokenizer, self.ctx.cfg.rollout, ids, seeds, self.ctx.lockstep,
-                           num_generations=1, max_new_tokens=max_new_tokens)
+        return sample_rows(self.model, self.tokenizer, self.decoding, ids, seeds, self.ctx.lockstep,
+                           turn_tokens=max_new_tokens)
 
 
 def _own_policy(cfg: Config) -> tuple[torch.nn.Module, object]:
@@ -265,15 +260,11 @@ class VLLMColocated(Engine):
         self.engine.close()
 
 
-def sample_rows(model, tokenizer, r: RolloutConfig, prompts: list[str] | list[list[int]], seeds: list[int] | None,
-                lockstep=None, num_generations: int | None = None, max_new_tokens: int | None = None) -> Generation:
-    """G completions of each prompt with the rollout's settings (merged adapter, engine, grouped decode), each
-    row from its own seed: a step's sampling, in the learner's process or in a fixed lag's worker (lag.py).
-    A multi-turn row's next turn: its token ids as the prompt, one completion, at most `max_new_tokens`."""
-    with merged_adapter(model) if r.merge_adapter else contextlib.nullcontext():
-        return generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens or r.max_new_tokens, do_sample=True,
-                        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, batch_size=r.generation_batch_size,
-                        num_return_sequences=num_generations or r.num_generations, engine=r.engine,
-                        min_new_tokens=0 if max_new_tokens else r.min_new_tokens, row_seeds=seeds, lockstep=lockstep,
-                        grouped_decode=r.grouped_decode, cuda_graphs=r.cuda_graphs,
-                        compile_decode=r.compile_decode, fused_projections=r.fused_projections)
+def sample_rows(model, tokenizer, decoding: Decoding, prompts: list[str] | list[list[int]], seeds: list[int] | None,
+                lockstep=None, turn_tokens: int | None = None) -> Generation:
+    """G completions of each prompt with the rollout's `decoding`, each row from its own seed: a step's
+    sampling, in the learner's process or in a fixed lag's worker (lag.py). A multi-turn row's next turn
+    (`turn_tokens` set): its token ids as the prompt, one completion, at most `turn_tokens` tokens."""
+    if turn_tokens:
+        decoding = decoding.with_(num_return_sequences=1, max_new_tokens=turn_tokens, min_new_tokens=0)
+    return generate(model, tokenizer, prompts, decoding, row_seeds=seeds, lockstep=lockstep)

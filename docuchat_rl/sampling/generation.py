@@ -7,7 +7,7 @@ token boundaries never shift between rollout and update. Only the processors the
 distribution (transformers' own warpers); a model's generation_config adds none. This is the contract
 any rollout engine must meet: the trainer compares its log-probs with the sampler's.
 
-Two engines, the same contract:
+Two decode loops, the same contract (which one samples is chosen in decoding.py):
 - `fast` (default): our own decode loop. Each distinct prompt is prefilled once and its keys/values are
   copied to its G samples (`transformers.generate` prefills every copy); decoding writes into
   preallocated static buffers instead of concatenating a growing cache every token, and attends only to
@@ -40,9 +40,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling import base_model, cache_of, eos_ids, in_compute_context, position_ids, warpers, with_cache
+from ..modeling import (base_model, cache_of, eos_ids, in_compute_context, merged_adapter, position_ids, warpers,
+                        with_cache)
 from .draw import block_draw
-from .grouped_decode import GroupedSteps, additive_mask, covers, plain_full_attention, supports
+from .decoding import Decoding
+from .grouped_decode import GroupedSteps, additive_mask, plain_full_attention, supports
 from .static_decode import static_chunk
 
 DONE_CHECK_EVERY = 8  # the decode loop asks whether every row has finished every this many tokens
@@ -275,47 +277,39 @@ def _plain_generation_config(model):
         target.generation_config = original
 
 
-def engine_on(model, engine: str, *, cuda_graphs: bool, device_type: str, lockstep: bool) -> str:
-    """The engine that samples `model`: on a GPU, a fast loop asked for CUDA graphs hands a model the static
-    decode does not cover (or sharded weights in lockstep) to transformers.generate, since the dynamic loop
-    is launch-bound there (2.5-2.7x slower than generate on one H100: docs/performance.md)."""
-    if engine == "fast" and cuda_graphs and device_type == "cuda" and (lockstep or not covers(model)):
-        return "hf"
-    return engine
-
-
-@torch.no_grad()
-@in_compute_context
-def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_tokens: int, do_sample: bool,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, batch_size: int = 64,
-             num_return_sequences: int = 1, engine: str = "fast", min_new_tokens: int = 0,
-             row_seeds: list[int] | None = None, lockstep=None, grouped_decode: bool = True,
-             cuda_graphs: bool = False, compile_decode: bool = False, fused_projections: bool = False) -> Generation:
-    """Sample `num_return_sequences` completions per prompt, rows ordered prompt-major; no EOS before
-    `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only temperature, top-k and
-    top-p shape the distribution, whatever the model's generation_config says. With `row_seeds` (one per
-    output row) every row draws from its own random stream, so what a row samples does not depend on
-    batch_size or on which other rows share its batch (up to float rounding of the logits).
+def generate(model, tokenizer, prompts: list[str] | list[list[int]], decoding: Decoding | None = None, *,
+             row_seeds: list[int] | None = None, lockstep=None, **fields) -> Generation:
+    """Sample `decoding.num_return_sequences` completions per prompt, rows ordered prompt-major, with
+    `decoding`'s settings (decoding.py; `fields`: Decoding's fields, changed or, without `decoding`, all of
+    them). No EOS before `min_new_tokens` (= max_new_tokens gives fixed lengths, for benchmarks). Only
+    temperature, top-k and top-p shape the distribution, whatever the model's generation_config says. With
+    `row_seeds` (one per output row) every row draws from its own random stream, so what a row samples does
+    not depend on batch_size or on which other rows share its batch (up to float rounding of the logits).
 
     `lockstep(flag) -> bool` (whether the flag holds on any process) makes every process run the same
     number of model calls, as sharded weights demand: decoding continues while any process decodes, and
     a process out of prompts runs a greedy one-token placeholder prompt (it draws no random numbers)
-    until the others are done. `grouped_decode` (fast engine): decode the models `grouped_decode.py`
-    covers with its step, which reads each prompt's keys/values once for its G rows. `cuda_graphs` (fast
-    engine): decode those models at static shapes (static_decode.py), replayed as CUDA graphs on a GPU;
-    there, a model they do not cover samples through transformers.generate (the hf engine), since our
-    dynamic loop is launch-bound on a GPU (2.5-2.7x slower than generate on one H100: docs/performance.md).
-    `compile_decode` (with cuda_graphs): that static step compiled by torch.compile; `fused_projections`
-    (with cuda_graphs): its q/k/v and gate/up as one matmul each (grouped_decode.Fused)."""
-    if engine not in ("fast", "hf", "vllm"):
-        raise ValueError(f"unknown generation engine {engine!r}; valid: fast, hf, vllm")
-    if engine == "vllm":  # a vLLM engine (vllm_engine.py) serves training rollouts only: evaluation, generate
-        engine = "fast"  # and chat, given rollout.engine vllm, sample in this process with our fast loop
+    until the others are done. The fast loop's switches: `grouped_decode` decodes the models
+    `grouped_decode.py` covers with its step, which reads each prompt's keys/values once for its G rows;
+    `cuda_graphs` decodes them at static shapes (static_decode.py), replayed as CUDA graphs on a GPU,
+    `compile_decode` that static step compiled by torch.compile, `fused_projections` its q/k/v and gate/up
+    as one matmul each (grouped_decode.Fused). `merge_adapter`: the LoRA folded into the weights for the
+    call (modeling.merged_adapter)."""
+    d = decoding.with_(**fields) if decoding is not None else Decoding(**fields)
+    with merged_adapter(model) if d.merge_adapter else contextlib.nullcontext():  # (outside the compute
+        # context: the merge's own arithmetic is float32, not autocast's)
+        return _generate(model, tokenizer, prompts, d, row_seeds, lockstep)
+
+
+@torch.no_grad()
+@in_compute_context
+def _generate(model, tokenizer, prompts, d: Decoding, row_seeds, lockstep) -> Generation:
+    loop, max_new_tokens, min_new_tokens, do_sample = d.loop, d.max_new_tokens, d.min_new_tokens, d.do_sample
+    num_return_sequences, batch_size = d.num_return_sequences, d.batch_size
     stop = eos_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
     device = next(model.parameters()).device
-    engine = engine_on(model, engine, cuda_graphs=cuda_graphs, device_type=device.type, lockstep=lockstep is not None)
-    processors = warpers(temperature, top_k, top_p) if do_sample else []
+    processors = warpers(d.temperature, d.top_k, d.top_p) if do_sample else []
     out = Generation([], [], [], [])
     per_call = max(1, batch_size // num_return_sequences)
     if row_seeds is not None and len(row_seeds) != len(prompts) * num_return_sequences:
@@ -326,7 +320,7 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
         if k >= len(starts):  # out of prompts: join the other processes' model calls
             k += 1
             placeholder = torch.tensor([[pad]], device=device)
-            if engine == "fast":
+            if loop == "fast":
                 _fast_chunk(model, placeholder, torch.ones_like(placeholder), repeats=1,
                             max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, processors=[],
                             stop=stop, pad=pad, lockstep=lockstep)
@@ -343,12 +337,12 @@ def generate(model, tokenizer, prompts: list[str] | list[list[int]], *, max_new_
         if row_seeds is not None and do_sample:
             first = start * num_return_sequences
             uniforms = row_uniforms(row_seeds[first:first + len(chunk) * num_return_sequences], max_new_tokens, device)
-        if engine == "fast":
+        if loop == "fast":
             new, logps = _fast_chunk(model, enc["input_ids"], enc["attention_mask"], repeats=num_return_sequences,
                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                      do_sample=do_sample, processors=processors, stop=stop, pad=pad,
-                                     uniforms=uniforms, lockstep=lockstep, grouped=grouped_decode,
-                                     static=cuda_graphs, compiled=compile_decode, fused=fused_projections)
+                                     uniforms=uniforms, lockstep=lockstep, grouped=d.grouped_decode,
+                                     static=d.cuda_graphs, compiled=d.compile_decode, fused=d.fused_projections)
         else:
             new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
                                    min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,

@@ -28,6 +28,7 @@ from ..data import Example, PromptSampler
 from ..distributed import Dist
 from ..learning.batch import Batch, build_batch
 from ..traces import TraceRecord, completion_fields
+from .decoding import Decoding
 from .engines import Engine, sample_rows
 from .generation import Generation, completion_texts, row_seed
 from .multiturn import turns_json
@@ -163,17 +164,18 @@ class Collector:
         """G completions for each prompt index in `idx`, rows prompt-major, and their decoded texts, sampled by
         adapter `version`; `seeds` gives each row its own random stream."""
         model.eval()
+        decoding = Decoding.of(self.cfg, model, lockstep=self.lockstep is not None) if self.engine is None else None
 
         def first(ids: list[int]) -> Generation:
             texts = [self.prompt_texts[i] for i in ids]
             if self.engine is not None:
                 return self.engine.generate(texts, seeds, version, step)
-            return sample_rows(model, self.tokenizer, self.cfg, texts, seeds, self.lockstep)
+            return sample_rows(model, self.tokenizer, decoding, texts, seeds, self.lockstep)
 
         def more(ids: list[list[int]], row_seeds: list[int], max_new_tokens: int) -> Generation:
             if self.engine is not None:
                 return self.engine.continue_rows(ids, row_seeds, version, step, max_new_tokens)
-            return sample_rows(model, self.tokenizer, self.cfg, ids, row_seeds, self.lockstep, 1, max_new_tokens)
+            return sample_rows(model, self.tokenizer, decoding, ids, row_seeds, self.lockstep, max_new_tokens)
 
         if self.multiturn is not None:
             gen = self.multiturn.sample(idx, [self.examples[i] for i in idx], seeds, first, more)

@@ -24,7 +24,7 @@ tensors each rollout, so the graphs are captured again unless the allocator hand
 
 Covers the models `grouped_decode.supports` covers (Llama-like decoder layers, full attention, unsharded
 weights); others decode through the dynamic loop, or on a GPU through transformers.generate
-(generation.engine_on). Deliberately left out: the grouped step's one copy of a
+(decoding.local_loop). Deliberately left out: the grouped step's one copy of a
 prompt's keys per group (here each row holds its prompt's keys: simpler to keep static; the grouped
 layout is the next step if attention shows in the GPU profile: it did not, 2% of a token), and graphs of
 the prefill (one call per chunk, not launch-bound).

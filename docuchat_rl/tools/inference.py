@@ -26,6 +26,7 @@ from ..data import Example, render_prompt
 from ..errors import ModelError
 from ..modeling import eos_ids, load_model_and_tokenizer
 from ..outputs import read_jsonl
+from ..sampling.decoding import Decoding
 from ..sampling.generation import completion_texts, generate
 
 
@@ -85,18 +86,24 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
                for e in examples]
     ctx = model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
     with ctx:
-        gen = generate(model, tok, prompts, max_new_tokens=max_new_tokens or cfg.rollout.max_new_tokens,
-                       do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
-                       batch_size=cfg.eval.batch_size, num_return_sequences=n, engine=cfg.rollout.engine,
-                       grouped_decode=cfg.rollout.grouped_decode, cuda_graphs=cfg.rollout.cuda_graphs,
-                       compile_decode=cfg.rollout.compile_decode,
-                       fused_projections=cfg.rollout.fused_projections)
+        gen = generate(model, tok, prompts, _decoding(cfg, model, max_new_tokens or cfg.rollout.max_new_tokens,
+                                                      do_sample, temperature, top_p, top_k, batch_size=cfg.eval.batch_size,
+                                                      num_return_sequences=n))
     texts = completion_texts(tok, gen.completion_ids, eos_ids(model, tok))
     rows = [e for e in examples for _ in range(n)]
     result = score(reward, rows, texts, gen) if reward is not None else None
     return [completion_fields(e, i % n, text, len(gen.completion_ids[i]), gen.truncated[i],
                               result.records[i] if result is not None else None)
             for i, (e, text) in enumerate(zip(rows, texts))]
+
+
+def _decoding(cfg: Config, model, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float,
+              top_k: int, **changes) -> Decoding:
+    """The recipe's decode loop and switches with the command's own sampling settings, unmerged (`--base`
+    disables the adapter, which a merge would fold back in)."""
+    return Decoding.of(cfg.rollout, model, **{"batch_size": 64, "num_return_sequences": 1, **changes},
+                       max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p,
+                       top_k=top_k, min_new_tokens=0, merge_adapter=False)
 
 
 def is_text(text: str) -> bool:
@@ -139,11 +146,8 @@ def chat(model, tok, cfg: Config, read: Callable[[str], str], write: Callable[[s
             continue
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        gen = generate(model, tok, [prompt], max_new_tokens=max_new_tokens, do_sample=do_sample,
-                       temperature=temperature, top_p=top_p, top_k=top_k, engine=cfg.rollout.engine,
-                       grouped_decode=cfg.rollout.grouped_decode, cuda_graphs=cfg.rollout.cuda_graphs,
-                       compile_decode=cfg.rollout.compile_decode,
-                       fused_projections=cfg.rollout.fused_projections)
+        gen = generate(model, tok, [prompt], _decoding(cfg, model, max_new_tokens, do_sample, temperature, top_p,
+                                                       top_k))
         reply = completion_texts(tok, gen.completion_ids, eos_ids(model, tok))[0].strip()
         messages.append({"role": "assistant", "content": reply})
         write(f"model> {reply}\n")

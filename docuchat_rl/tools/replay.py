@@ -326,7 +326,7 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
     reward = build_reward(cfg.rewards)
     cls = get_algorithm_class(cfg.algorithm.name)
     critic_free = not issubclass(cls, ActorCritic)  # (a critic's advantages need its values: the model)
-    algo = cls(cfg) if critic_free else None
+    algo = cls(cfg.algorithm, reward_weights=cfg.rewards.weights) if critic_free else None
     result = Rescored([], advantages=critic_free, skipped=len(unreadable) + len(lines) - len(traces),
                       first_skipped=skipped[0] if skipped else None)
     for step, group in itertools.groupby(traces, key=lambda t: t.get("step")):
