@@ -154,14 +154,16 @@ class _Sampler:
         self.seen = []  # every `more` call's (ids, sampled rows)
 
     def first(self, prompts, seeds):
+        from docuchat_rl.sampling.decoding import Decoding
         from docuchat_rl.sampling.rollout import sample_rows
 
-        return sample_rows(self.model, self.tok, self.cfg.rollout, prompts, seeds)
+        return sample_rows(self.model, self.tok, Decoding.of(self.cfg.rollout, self.model), prompts, seeds)
 
     def more(self, ids, seeds, n):
+        from docuchat_rl.sampling.decoding import Decoding
         from docuchat_rl.sampling.rollout import sample_rows
 
-        gen = sample_rows(self.model, self.tok, self.cfg.rollout, ids, seeds, None, 1, n)
+        gen = sample_rows(self.model, self.tok, Decoding.of(self.cfg.rollout, self.model), ids, seeds, turn_tokens=n)
         self.seen.append((ids, gen))
         return gen
 
