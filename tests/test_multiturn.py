@@ -584,8 +584,14 @@ def test_an_interrupt_while_a_tool_hangs_stops_at_once_and_is_not_the_tools_erro
     from tests import tool_envs as t
 
     call = ToolCall("hang", {"x": 1}, "")
-    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
-    t0 = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        call_tools([[call]], [{"hang": t.hang}], timeout_s=30.0)
+    # (Python's own Ctrl-C handler, whatever this process inherited: a shell starts a background job with
+    # SIGINT ignored, and then no KeyboardInterrupt would come)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        t0 = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            call_tools([[call]], [{"hang": t.hang}], timeout_s=30.0)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert time.perf_counter() - t0 < 5 and call.error is None
