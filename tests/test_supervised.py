@@ -387,3 +387,24 @@ def test_the_sft_checkpoint_serves_eval_generate_and_export_and_a_run_from_it_re
     assert gen.returncode == 0 and gen.stdout.strip(), gen.stderr[-800:]
     ex = cli("export", "--adapter", folder, "--out", str(tmp_path / "merged"))
     assert ex.returncode == 0 and (tmp_path / "merged" / "config.json").exists(), ex.stderr[-800:]
+
+
+def test_evaluate_reads_the_held_out_rows_once_and_scores_eval_also(tmp_path):
+    """SupervisedTrainer.evaluate: the held-out set and each eval.also set, read at the first evaluation (a
+    second gives the same numbers after the files are gone: nothing is read again)."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "data" / "task", data)
+    cfg = sft_cfg(tmp_path, f"data.test={data / 'test.jsonl'}", "eval.limit=4", "eval.max_new_tokens=8",
+                  f"eval.also={{other: {data / 'test.jsonl'}}}")
+    trainer = SupervisedTrainer(cfg)
+    try:
+        first = trainer.evaluate()
+        shutil.rmtree(data)
+        second = trainer.evaluate()
+    finally:
+        trainer.close()
+    assert first["rows"] == 4 and first["other/rows"] == 4
+    drop = ("seconds", "other/seconds")
+    assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in second.items() if k not in drop}

@@ -33,9 +33,10 @@ if TYPE_CHECKING:
 LOOPS = ("fast", "hf")
 
 
-def _decided(r: RolloutConfig) -> None:
-    if r.engine == "auto" or r.cuda_graphs == "auto":
-        raise ValueError("rollout.engine is still auto: decide the config for the device first (Config.for_device)")
+def _decided(r: RolloutConfig, *keys: str) -> None:
+    for key in ("engine", *keys):
+        if getattr(r, key) == "auto":
+            raise ValueError(f"rollout.{key} is still auto: decide the config for the device first (Config.for_device)")
 
 
 def rollout_engine(r: RolloutConfig) -> str:
@@ -49,7 +50,7 @@ def local_loop(r: RolloutConfig, model=None, lockstep: bool = False,
     """The decode loop that samples `model` in this process under a decided rollout config (the table above);
     `lockstep`: every process decodes the same model calls (sharded weights); `device_type`: where the model
     is (read off it when None)."""
-    _decided(r)
+    _decided(r, "cuda_graphs")
     loop = "fast" if r.engine == "vllm" else r.engine
     if loop == "fast" and r.cuda_graphs and model is not None:
         device_type = device_type or next(model.parameters()).device.type

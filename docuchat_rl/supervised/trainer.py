@@ -192,7 +192,7 @@ class SupervisedTrainer:
         self.chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
         self.micro = s.micro_batch_size or s.batch_size
         self.preemption = Preemption(self.dist)
-        self.last_eval = None
+        self.last_eval, self.held_out = None, None  # (held_out: the evaluation's rows, read at the first)
         self.started = time.perf_counter()
 
     @property
@@ -272,11 +272,13 @@ class SupervisedTrainer:
         return history
 
     def evaluate(self) -> dict:
-        """The held-out numbers of the adapter as it is now (evaluation.py)."""
-        from ..evaluation import evaluate
+        """The held-out numbers of the adapter as it is now (evaluation.py); the rows are read once a run."""
+        from ..evaluation import also_sets, evaluate
 
-        return evaluate(self.model, self.tokenizer, self.cfg, load_split(self.cfg.data, "test", self.cfg.eval.limit),
-                        self.dist)
+        if self.held_out is None:
+            self.held_out = load_split(self.cfg.data, "test", self.cfg.eval.limit), also_sets(self.cfg)
+        rows, also = self.held_out
+        return evaluate(self.model, self.tokenizer, self.cfg, rows, self.dist, also=also)
 
     def close(self) -> None:
         self.metrics.close()
