@@ -428,12 +428,15 @@ def merged_adapter(model):
     lm_head and input embedding) is therefore never changed for the other module. Costs one extra copy
     of the adapted weights while the block runs. The LoRA layers themselves are replaced by their (merged)
     base layers for the block, so the forward runs no peft code at all. Models that are not peft models,
-    adapters that peft does not merge linearly (DoRA) and non-Linear LoRA layers run unmerged.
+    adapters that peft does not merge linearly (DoRA), non-Linear LoRA layers and a model whose adapter is
+    disabled (`disable_adapter()`: the base model is asked for) run unmerged.
     """
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    if not hasattr(model, "disable_adapter") or not layers or unmergeable(model) is not None:
+    disabled = any(m.disable_adapters for m in layers)  # (inside peft's disable_adapter(): the base model, which
+    # a merge of the active adapters would silently undo)
+    if not hasattr(model, "disable_adapter") or not layers or disabled or unmergeable(model) is not None:
         yield model
         return
     swapped, bypassed = [], []

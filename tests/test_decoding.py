@@ -69,7 +69,8 @@ def test_fields_change_a_decoding_for_one_call(tiny):
 
 def test_a_merged_adapter_is_restored_after_the_call(tiny):
     """merge_adapter folds the LoRA into the weights for the call only: the same greedy tokens as unmerged,
-    and every base weight the same Parameter, bit for bit, afterwards."""
+    and every base weight the same Parameter, bit for bit, afterwards; with the adapter disabled it merges
+    nothing (the base model's tokens)."""
     from docuchat_rl.modeling import build_lora
 
     _, tok = tiny
@@ -93,6 +94,8 @@ def test_a_merged_adapter_is_restored_after_the_call(tiny):
         h.remove()
     with model.disable_adapter():
         base = generate(model, tok, ["What is 2 + 2?"], d)
-    assert merged.completion_ids == plain.completion_ids != base.completion_ids
+        base_merged = generate(model, tok, ["What is 2 + 2?"], d, merge_adapter=True)  # (nothing to merge: the
+        # adapter is off, and a merge of the active adapters would bring it back)
+    assert merged.completion_ids == plain.completion_ids != base.completion_ids == base_merged.completion_ids
     after = dict(model.named_parameters())
     assert all(after[n] is p and torch.equal(p, copy) for n, (p, copy) in before.items())

@@ -99,11 +99,11 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
 
 def _decoding(cfg: Config, model, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float,
               top_k: int, **changes) -> Decoding:
-    """The recipe's decode loop and switches with the command's own sampling settings, unmerged (`--base`
-    disables the adapter, which a merge would fold back in)."""
+    """The recipe's decode loop and switches (its merged adapter too, as evaluation samples) with the command's
+    own sampling settings."""
     return Decoding.of(cfg.rollout, model, **{"batch_size": 64, "num_return_sequences": 1, **changes},
                        max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p,
-                       top_k=top_k, min_new_tokens=0, merge_adapter=False)
+                       top_k=top_k, min_new_tokens=0)
 
 
 def is_text(text: str) -> bool:
