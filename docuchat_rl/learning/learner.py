@@ -85,7 +85,7 @@ class Handed:
     top_k: int
     top_p: float
     max_new_tokens: int  # the fixed-length normaliser of a loss that asks for it
-    correction: str | None  # the sampler correction in effect (RolloutConfig.correction, decided at load)
+    correction: str | None  # the sampler correction in effect (RolloutConfig.correction_in_effect; None: none)
     correction_min: float
     correction_max: float
     decoupled: bool  # a fixed lag: decoupled PPO (the current policy's log-probs go to the correction)

@@ -153,7 +153,11 @@ class LocalEngine(Engine):
         if self.model is None:  # (a worker process: its own copy of the policy)
             self.model, self.tokenizer = _own_policy(ctx.cfg)
         self.owns_versions = ctx.model is None
-        self.decoding = Decoding.of(ctx.cfg.rollout, self.model, lockstep=ctx.lockstep is not None)
+
+    def decoding(self) -> Decoding:
+        """The rollout's decoding for the model as it is now (its loop is chosen per call: FSDP2 weights
+        gathered for generation are whole only while they sample)."""
+        return Decoding.of(self.ctx.cfg.rollout, self.model, lockstep=self.ctx.lockstep is not None)
 
     def begin_step(self, model, version: int) -> None:
         if not self.owns_versions:  # (the learner's model as the loop hands it: wrapped, a lagged version in)
@@ -170,11 +174,11 @@ class LocalEngine(Engine):
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(self.model, self.versions[version], adapter_name="default")
-        return sample_rows(self.model, self.tokenizer, self.decoding, prompts, seeds, self.ctx.lockstep)
+        return sample_rows(self.model, self.tokenizer, self.decoding(), prompts, seeds, self.ctx.lockstep)
 
     def continue_rows(self, ids: list[list[int]], seeds: list[int], version: int, step: int | None,
                       max_new_tokens: int) -> Generation:
-        return sample_rows(self.model, self.tokenizer, self.decoding, ids, seeds, self.ctx.lockstep,
+        return sample_rows(self.model, self.tokenizer, self.decoding(), ids, seeds, self.ctx.lockstep,
                            turn_tokens=max_new_tokens)
 
 
