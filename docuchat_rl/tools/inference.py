@@ -87,8 +87,7 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
     ctx = model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
     with ctx:
         gen = generate(model, tok, prompts, _decoding(cfg, model, max_new_tokens or cfg.rollout.max_new_tokens,
-                                                      do_sample, temperature, top_p, top_k, batch_size=cfg.eval.batch_size,
-                                                      num_return_sequences=n))
+                                                      do_sample, temperature, top_p, top_k, cfg.eval.batch_size, n))
     texts = completion_texts(tok, gen.completion_ids, eos_ids(model, tok))
     rows = [e for e in examples for _ in range(n)]
     result = score(reward, rows, texts, gen) if reward is not None else None
@@ -98,12 +97,12 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
 
 
 def _decoding(cfg: Config, model, max_new_tokens: int, do_sample: bool, temperature: float, top_p: float,
-              top_k: int, **changes) -> Decoding:
+              top_k: int, batch_size: int = 64, n: int = 1) -> Decoding:
     """The recipe's decode loop and switches (its merged adapter too, as evaluation samples) with the command's
-    own sampling settings."""
-    return Decoding.of(cfg.rollout, model, **{"batch_size": 64, "num_return_sequences": 1, **changes},
-                       max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p,
-                       top_k=top_k, min_new_tokens=0)
+    own sampling settings, `n` completions a prompt."""
+    return Decoding.of(cfg.rollout, model, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                       temperature=temperature, top_p=top_p, top_k=top_k, batch_size=batch_size,
+                       num_return_sequences=n, min_new_tokens=0)
 
 
 def is_text(text: str) -> bool:
