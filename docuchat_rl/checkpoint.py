@@ -212,6 +212,10 @@ def resolve_adapter(path: str | Path, key: str = "--adapter") -> Path:
     prints) is its newest intact checkpoint."""
     p = Path(path)
     if (p / "adapter_config.json").exists():
+        unsealed = not (p / MANIFEST).exists() and ((p / TRAINER_STATE).exists() or p.name.endswith(".tmp"))
+        if unsealed:  # (one of ours whose write never finished: a plain peft folder has neither)
+            raise CheckpointError(f"{key} {path}: a checkpoint that was never sealed (no {MANIFEST}: its write did "
+                                  "not finish); use a sealed one (a run folder gives its newest intact one)")
         problem = verify_checkpoint(p) if (p / MANIFEST).exists() else None  # (a plain peft folder has none)
         if problem:
             raise CheckpointError(f"{key} {path}: {problem}; use another checkpoint (a run folder gives its "
@@ -228,6 +232,11 @@ def resolve_adapter(path: str | Path, key: str = "--adapter") -> Path:
 def same_model(a: str | None, b: str) -> bool:
     """Whether two model.name_or_path values name one model (the same text, or two paths of one folder)."""
     return not a or a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
+PLAIN_LORA = {"use_rslora": False, "alpha_pattern": {}, "rank_pattern": {}, "use_dora": False}  # peft's
+# adapter_config.json options that change a layer's scale or form from alpha / r (rsLoRA: alpha / sqrt(r); the
+# patterns: per module; DoRA: a magnitude vector), at the values that leave it alpha / r
 
 
 def load_start_adapter(model, folder: Path, lora, model_name: str, key: str = "lora.init_from",
@@ -248,6 +257,11 @@ def load_start_adapter(model, folder: Path, lora, model_name: str, key: str = "l
         state = load_file(str(folder / "adapter_model.safetensors"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{key} {folder}: its adapter cannot be read ({e})") from None
+    scaled = [f"{k}: {meta[k]}" for k, plain in PLAIN_LORA.items() if meta.get(k, plain) not in (plain, None)]
+    if scaled:  # (our LoRA layers scale by alpha / r everywhere: an adapter trained otherwise would start elsewhere)
+        raise CheckpointError(f"{key} {folder}: its adapter_config.json sets {scaled[0]}, which scales or shapes "
+                              "the adapter otherwise than alpha / r on every layer (the recipe's lora section): its "
+                              "first step would not be the policy peft loads; start from an adapter without it")
     own = get_peft_model_state_dict(model, adapter_name=adapter_name)
     theirs = {k: tuple(v.shape) for k, v in state.items()}
     mine = {k: tuple(v.shape) for k, v in own.items()}
@@ -320,9 +334,10 @@ def saved_config(folder: Path) -> dict | None:
     return config
 
 
-def check_resumable(folder: Path, config: dict) -> list[str]:
+def check_resumable(folder: Path, config: dict, applied: tuple[str, ...] = ()) -> list[str]:
     """Compare `config` with the one `folder` was trained with: refuse (one line naming every such key with both
-    values) a change to what the resumed steps compute; return the applied changes as `key: old -> new`."""
+    values) a change to what the resumed steps compute; return the applied changes as `key: old -> new`.
+    `applied`: keys this command also applies (the folder it writes: sft's sft.output_dir)."""
     recorded = saved_config(folder)
     if recorded is None:
         return []
@@ -337,7 +352,7 @@ def check_resumable(folder: Path, config: dict) -> list[str]:
         for k in [k for k, v in one.items() if v is None and any(o.startswith(f"{k}.") for o in other)]:
             saved[k], now[k] = _section(recorded, k), _section(config, k)
             changed.append(k)
-    refused = [f"{k}={saved[k]!r} -> {now[k]!r}" for k in changed if not _applies(k, now)]
+    refused = [f"{k}={saved[k]!r} -> {now[k]!r}" for k in changed if not _applies(k, now) and k not in applied]
     if refused:
         raise CheckpointError(f"{Path(folder).name} was trained with a different recipe: {'; '.join(refused)}. "
                               "Resuming exactly needs the checkpoint's values (change only logging, checkpoint, "
@@ -357,7 +372,8 @@ class TrainerState:
 
     step: int  # the last finished step (the checkpoint follows it)
     run_id: str  # the main process's id of this run (wandb's run id, the traces' run_id)
-    sampler: dict[str, int] = field(default_factory=dict)  # PromptSampler.state(): data order and position
+    sampler: dict = field(default_factory=dict)  # PromptSampler.state(): data order and position (with
+    # data.difficulty, every drawn prompt's pass rate and standing too: DifficultySampler.state())
     offsets: dict[str, int] = field(default_factory=dict)  # byte size of each output file (main process)
     nonfinite_streak: int = 0  # optimizer steps skipped in a row for a non-finite loss or gradient
     no_reward_streak: int = 0  # steps in a row in which no reward component gave any completion a value

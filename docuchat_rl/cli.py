@@ -98,6 +98,9 @@ def parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("--adapter", default=None, help="a checkpoint folder (peft adapter) to apply")
     e.add_argument("--out", default=None, help="write the JSON here as well as to stdout")
+    e.add_argument("--against", default=None, metavar="EVAL_JSON",
+                   help="an earlier evaluation (eval --out's file, or a run folder or its eval.json: its 'after'): "
+                        "each accuracy's difference from it, with its 95%% interval, under 'against'")
     g = sub.add_parser("generate", help="sample from the base model, a checkpoint's adapter, or both side by side",
                        description="Completions for prompts given here, in a file (.jsonl with the configured "
                        "prompt column, or .txt, one per line) or from the held-out set, through the configured "
@@ -241,6 +244,7 @@ def cmd_train(args, on_phase=None) -> int:
                 report["before"] = evaluation(trainer, out, "before")
             if trainer.is_main:
                 print("eval before:", json.dumps(report["before"]), flush=True)
+                say_reward_gaps(report["before"])
         trainer.train(stop_after=args.stop_after)
     except Preempted as p:
         if trainer.is_main:
@@ -286,6 +290,7 @@ def cmd_train(args, on_phase=None) -> int:
             return 128 + int(got[0]) if got else 130
         if trainer.is_main:
             print("eval after: ", json.dumps(report["after"]), flush=True)
+            say_reward_gaps(report["after"])
     if trainer.is_main:
         print(f"outputs: {out / 'latest'} -> checkpoint, {out / 'metrics.jsonl'}, "
               f"{out / ('sft_targets.jsonl' if sft else 'traces.jsonl')}" + (f", {out / 'eval.json'}" if do_eval else "")
@@ -314,18 +319,54 @@ def cmd_eval(args) -> int:
 
     if args.out:
         check_new_file(args.out, "--out")
+    earlier = earlier_evaluation(args.against) if args.against else None
     cfg = _config_for(args)  # (with --adapter and no --config: the checkpoint's own recipe, as generate)
     # under torchrun / accelerate launch each process evaluates a share of the rows; the main one reports
     dist = Dist.from_accelerator(PartialState(cpu=on_cpu(cfg.model.device)))
     model, tok = load_policy(cfg.model, args.adapter, device=str(dist.device) if dist.active else None)
     with plugins_print_to_stderr():
         result = {"model": cfg.model.name_or_path, "adapter": args.adapter, **evaluate(model, tok, cfg, dist=dist)}
+    if earlier is not None:
+        from .evaluation import compare
+
+        result["against"] = {"source": args.against, **compare(result, earlier)}
     if dist.is_main:
+        say_reward_gaps(result)
         text = json.dumps(result, indent=2)
         print(text)
         if args.out:
             Path(args.out).write_text(text + "\n")
     return 0
+
+
+def say_reward_gaps(result: dict) -> None:
+    """An evaluation's reward gaps (traces.reward_gaps: a component that failed or gave no value), one warning
+    line each on stderr, its held-out set named."""
+    for key, lines in result.items():
+        if key == "reward_gaps" or key.endswith("/reward_gaps"):
+            where = f" ({key.split('/')[0]})" if "/" in key else ""
+            for line in lines:
+                print(f"docuchat-rl: warning: {line}{where}", file=sys.stderr, flush=True)
+
+
+def earlier_evaluation(source: str) -> dict:
+    """The numbers of an earlier evaluation that --against names: an `eval --out` file, a run's eval.json (its
+    "after", else its "before") or the run folder holding one; anything else is one line naming it."""
+    from .data import DataError
+
+    path = Path(source)
+    if path.is_dir():
+        path = path / "eval.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise DataError(f"--against {source}: not an evaluation's JSON ({type(e).__name__}: {e})") from None
+    if isinstance(data, dict) and ("after" in data or "before" in data) and "rows" not in data:
+        data = data.get("after") or data.get("before")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), int):
+        raise DataError(f"--against {source}: holds no evaluation (an eval --out file or a run's eval.json, with "
+                         "its 'rows')")
+    return data
 
 
 def plugins_print_to_stderr():
@@ -425,6 +466,13 @@ def cmd_generate(args) -> int:
         for label, base in runs:
             for rec in sample_records(model, tok, cfg, examples, base=base, **kw):
                 records.append({"model": label, **rec})
+    if args.score:
+        from .traces import reward_gaps
+
+        for label, _ in runs:
+            mine = [r["rewards"] for r in records if r["model"] == label and isinstance(r.get("rewards"), dict)]
+            for line in reward_gaps(mine, reward.names, f"completions ({label})" if args.compare else "completions"):
+                print(f"docuchat-rl: warning: {line}", file=sys.stderr, flush=True)
     if args.compare:  # side by side: each prompt's base completions, then its adapter's
         records.sort(key=lambda r: (r["prompt_id"], r["sample"], r["model"] != "base"))
     if args.json:
@@ -591,6 +639,12 @@ def cmd_rescore(args) -> int:
         config_from_dict(run_config(run if run.is_dir() else run.parent), args.overrides)
     with plugins_print_to_stderr():
         result = rescore(args.run, cfg)
+    from .traces import reward_gaps
+
+    names = [c.name for c in cfg.rewards.components]
+    for line in reward_gaps([r["rewards"] for r in result.lines if isinstance(r.get("rewards"), dict)], names,
+                            "rescored completions"):
+        print(f"docuchat-rl: warning: {line}", file=sys.stderr, flush=True)
     if result.skipped:
         print(f"docuchat-rl: warning: skipped {result.skipped} line{'s' * (result.skipped != 1)} of {args.run} that "
               f"{'is not a trace line' if result.skipped == 1 else 'are not trace lines'} (first: "

@@ -100,6 +100,26 @@ class FewShotTurn(Section):
     """What is said."""
 
 
+def own_folder(v: str | None) -> str | None:
+    """The one rule for a key naming a folder a command writes (run.output_dir, sft.output_dir,
+    rollout.vllm.adapter_dir): a folder of its own, never empty (the working folder), a file, or a link to
+    nothing (null: the key's default); the working folder by any other name is refused where the folder is
+    claimed (outputs.check_writable: a recorded recipe may name the folder a later command runs in)."""
+    if v is None:
+        return v
+    if not v.strip():
+        raise ValueError("must name a folder (empty would write into the working folder)")
+    p = Path(v).expanduser()
+    if p.is_symlink() and not p.exists():
+        raise ValueError(f"{v} is a link to nothing ({p.readlink()}): name a folder, or make the link's target")
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{v} is a file, not a folder")
+    return v  # (the working folder itself is refused where a run claims its folder: outputs.check_writable)
+
+
+OwnFolder = Annotated[str, AfterValidator(own_folder)]
+
+
 class CurriculumConfig(Section):
     """Easy rows first: the training rows up to a difficulty level, the next level joining when the run's own training accuracy reaches promote_at (recorded in the metrics, resumed exactly)."""
 
@@ -111,6 +131,28 @@ class CurriculumConfig(Section):
     """The mean training accuracy over the last `window` steps at which the next level joins (the rows of every level so far stay in)."""
     window: int = Field(10, ge=1)
     """Steps the accuracy is averaged over (counted afresh at each level)."""
+
+
+class DifficultyConfig(Section):
+    """Online difficulty filtering: each prompt's pass rate from the run's own groups, kept across steps; prompts drawn where the policy sometimes succeeds (docs/generalization.md)."""
+
+    low: float = Field(0.0, ge=0, lt=1)
+    """A prompt whose last group's pass rate is at or below this is retired as out of reach (the band is above it)."""
+    high: float = Field(1.0, gt=0, le=1)
+    """A prompt whose last group's pass rate is at or above this is retired as mastered (the band is below it)."""
+    revisit_after: int = Field(200, ge=1)
+    """Steps a retired prompt rests before the data order may draw it again (then its pass rate is measured anew)."""
+    replay: float = Field(0.25, ge=0, le=1)
+    """Share of each step's prompts drawn again from the band: prompts whose last group had a pass rate inside it, the longest-waiting first."""
+    replay_after: int = Field(5, ge=1)
+    """Steps before a prompt in the band may be drawn again."""
+
+    @model_validator(mode="after")
+    def _band(self) -> DifficultyConfig:
+        if self.low >= self.high:
+            raise ValueError(f"data.difficulty.low ({self.low}) must be below data.difficulty.high ({self.high}): "
+                             "no pass rate would be inside the band")
+        return self
 
 
 class DataConfig(Section):
@@ -140,6 +182,8 @@ class DataConfig(Section):
     """Prompts longer than this (in tokens) are an error naming the row."""
     curriculum: CurriculumConfig | None = None
     """Easy rows first, harder ones joining as the training accuracy rises (null: every row from the start)."""
+    difficulty: DifficultyConfig | None = None
+    """Online difficulty filtering: prompts drawn where the policy sometimes succeeds, mastered and out-of-reach ones retired and revisited (null: the data order as it is)."""
 
     @property
     def few_shot_turns(self) -> list[dict]:
@@ -168,7 +212,9 @@ class VLLMConfig(Section):
     """mode server: the server's URL (http://host:8000), or a list of data-parallel servers the prompts are spread over."""
     timeout_s: float = Field(600.0, gt=0)
     """mode server: the longest a server may take to answer one request (or to load an adapter version)."""
-    adapter_dir: str | None = None
+    startup_timeout_s: float = Field(900.0, ge=0)
+    """mode server: how long the trainer waits, at its start, for a server that does not answer yet (vLLM still loading: connection refused), before it stops saying so (0: not at all)."""
+    adapter_dir: OwnFolder | None = None
     """mode server: where each adapter version is written for the servers to load (a folder they can read); null: <run.output_dir>/vllm-adapters."""
 
     @field_validator("server_base_url")
@@ -185,7 +231,7 @@ class VLLMConfig(Section):
     def _mode_keys(self) -> VLLMConfig:
         colocated = ("gpu_memory_utilization", "kv_cache_memory_bytes", "max_model_len", "tensor_parallel_size",
                      "enforce_eager", "sleep")
-        served = ("server_base_url", "timeout_s", "adapter_dir")
+        served = ("server_base_url", "timeout_s", "startup_timeout_s", "adapter_dir")
         other = colocated if self.mode == "server" else served  # (the other mode's keys, left at their defaults)
         wrong = [k for k in other if getattr(self, k) != VLLMConfig.model_fields[k].default]
         if wrong:
@@ -418,8 +464,8 @@ class EvalConfig(Section):
 class RunConfig(Section):
     """The run as a whole: output folder, length, seed, threads."""
 
-    output_dir: str = "runs/default"
-    """Where checkpoints, metrics.jsonl and traces.jsonl go (a folder of their own, never empty: '' would be the working folder)."""
+    output_dir: OwnFolder = "runs/default"
+    """Where checkpoints, metrics.jsonl and traces.jsonl go (a folder of their own: never the working folder, a file or a link to nothing)."""
     steps: int = Field(200, ge=1)
     """Training steps (one rollout + its updates each)."""
     seed: int = 0
@@ -428,13 +474,6 @@ class RunConfig(Section):
     """Torch CPU threads (null: torch's default)."""
     overwrite: bool = False
     """A fresh run (no --resume) replaces an earlier run's outputs in output_dir (else that is an error)."""
-
-    @field_validator("output_dir")
-    @classmethod
-    def _a_folder_of_its_own(cls, v: str) -> str:
-        if not v.strip():
-            raise ValueError("must name a folder (empty would write the run into the working folder)")
-        return v
 
 
 class SFTConfig(Section):
@@ -445,13 +484,15 @@ class SFTConfig(Section):
     answer_template: Literal["as_written", "steps", "think_answer"] = "as_written"
     """source answers: the answer column as written; its steps without the <<...>> notes then '#### N'; or <think>steps</think><answer>N</answer>."""
     path: str | None = None
-    """source traces: the run folder (or its traces.jsonl); source jsonl: the file."""
+    """source traces: the run folder (or its traces.jsonl); source jsonl: the file; source answers or tool_transcripts: the rows to learn (a file or hub name with data's columns and train split; null: data.train), so that RL's rows may differ from SFT's (final answers only, say)."""
     where: str = "correctness.raw == 1"
     """source traces: the audit filter that selects the completions to learn (as `docuchat-rl audit --where`)."""
     per_prompt: int = Field(1, ge=1)
     """source traces: at most this many distinct completions of one prompt, the newest steps' first."""
-    output_dir: str | None = None
-    """Where `sft` writes its run folder (null: run.output_dir + '-sft'); `train` with this recipe starts its adapter from there."""
+    keep_truncated: bool = False
+    """source traces: also learn completions cut at max_new_tokens (they never end: left out, and counted, by default)."""
+    output_dir: OwnFolder | None = None
+    """Where `sft` writes its run folder (null: run.output_dir + '-sft'; a folder of its own, as run.output_dir); `train` with this recipe starts its adapter from there."""
     steps: int | None = Field(None, ge=1)
     """Optimizer steps (null: sft.epochs passes over the SFT set)."""
     epochs: float | None = Field(None, gt=0)
@@ -476,11 +517,10 @@ class SFTConfig(Section):
         if self.source in ("traces", "jsonl") and not self.path:
             raise ValueError(f"sft.path: source {self.source} reads a {'run folder' if self.source == 'traces' else 'file'}"
                              ": name it")
-        if self.source not in ("traces", "jsonl") and self.path:
-            raise ValueError(f"sft.path applies to source traces or jsonl, not {self.source}")
         if self.source != "answers" and self.answer_template != "as_written":
             raise ValueError(f"sft.answer_template applies to source answers, not {self.source}")
-        moved = [k for k in ("where", "per_prompt") if getattr(self, k) != SFTConfig.model_fields[k].default]
+        moved = [k for k in ("where", "per_prompt", "keep_truncated")
+                 if getattr(self, k) != SFTConfig.model_fields[k].default]
         if self.source != "traces" and moved:
             raise ValueError(f"sft.{moved[0]} applies to source traces, not {self.source}")
         return self
@@ -521,6 +561,8 @@ class Config(Section):
                 object.__setattr__(part, key, resolve_path(value))
         if any(resolve_path(v) != v for v in self.eval.also.values()):
             object.__setattr__(self.eval, "also", {k: resolve_path(v) for k, v in self.eval.also.items()})
+        if self.sft is not None and self.sft.path and resolve_path(self.sft.path) != self.sft.path:
+            object.__setattr__(self.sft, "path", resolve_path(self.sft.path))
         return self
 
     @model_validator(mode="after")
@@ -593,10 +635,19 @@ class Config(Section):
         if r.engine == "vllm" and r.vllm.mode == "server" and r.async_worker_threads:
             raise ValueError("rollout.async_worker_threads does not apply to rollout.vllm.mode server: the servers "
                              "sample ahead themselves (set it to 0)")
+        names = {c.name for c in self.rewards.components}
+        if self.data.difficulty is not None and r.async_lag:
+            raise ValueError("data.difficulty cannot be used with rollout.async_lag (a fixed lag takes later steps' "
+                             "prompts before the pass rates that choose them are known)")
+        if self.data.difficulty is not None and self.data.curriculum is not None:
+            raise ValueError("data.difficulty and data.curriculum both choose the prompts a step draws: use one")
+        if self.data.difficulty is not None and self.rewards.accuracy_component not in names:
+            raise ValueError(f"data.difficulty measures a prompt's pass rate with reward "
+                             f"{self.rewards.accuracy_component!r} (rewards.accuracy_component), which is not among "
+                             "the rewards")
         if self.data.curriculum is not None and r.async_lag:
             raise ValueError("data.curriculum cannot be used with rollout.async_lag (a fixed lag takes later steps' "
                              "prompts before the accuracy that decides their level is known)")
-        names = {c.name for c in self.rewards.components}
         if self.data.curriculum is not None and self.rewards.accuracy_component not in names:
             raise ValueError(f"data.curriculum promotes on the training accuracy, the mean of reward "
                              f"{self.rewards.accuracy_component!r} (rewards.accuracy_component), which is not among "

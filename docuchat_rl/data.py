@@ -47,6 +47,16 @@ def reasoning_target(answer: str) -> str:
     return "<think>\n" + "\n".join(lines) + "\n</think>\n<answer>" + (gold_of(answer) or "") + "</answer>"
 
 
+def normalized(question: str) -> str:
+    """A question as the held-out checks compare it: lower case, punctuation dropped, spaces collapsed (one
+    rule for the generator's splits, SFT's held-out check and the API's data sets).
+
+    >>> normalized("  Ava has 3 apples.  How many apples does AVA have now? ")
+    'ava has 3 apples how many apples does ava have now'
+    """
+    return " ".join("".join(c if c.isalnum() else " " for c in question.lower()).split())
+
+
 def prompt_turns(question: str, system_prompt: str | None, messages: tuple[dict, ...] | None = None,
                  few_shot: list[dict] | tuple = ()) -> list[dict]:
     """A prompt's chat messages: `messages` (a conversational prompt) or the one user turn `question`, after
@@ -111,24 +121,46 @@ def check_utf8(path: Path) -> None:
                                 f"column {e.start + 1}); save the file as UTF-8") from None
 
 
-def load_table(source: str, split: str, revision: str | None = None, subset: str | None = None):
-    """A `datasets.Dataset` from a local file (by extension) or a hub name. Errors name the source."""
+def check_json_lines(path: Path, who: str = "") -> bool:
+    """Refuse a JSON lines file with a line that is not a JSON object, naming the line (datasets would fail with
+    a message that names neither); False when no line is there at all (blank lines only: an empty file)."""
+    seen = False
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            seen = True
+            try:
+                row = json.loads(raw)
+            except (ValueError, RecursionError) as e:
+                raise DataError(f"{who}{path}: line {number} is not JSON ({str(e)[:80]})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{who}{path}: line {number} holds a JSON {type(row).__name__}, not an object (one row "
+                                "a line: {\"question\": ..., \"answer\": ...})")
+    return seen
+
+
+def load_table(source: str, split: str, revision: str | None = None, subset: str | None = None,
+               key: str | None = None):
+    """A `datasets.Dataset` from a local file (by extension) or a hub name. Errors name the source, after the
+    config key or argument that named it (`key`) when given."""
     import datasets
 
     path = Path(source)
+    who = f"{key}: " if key else ""
     if path.suffix.lower() in LOCAL_FORMATS or path.exists():
         if not path.exists():
-            raise DataError(f"data file not found: {source}")
+            raise DataError(f"{who}data file not found: {source}")
         if path.is_dir():
-            raise DataError(f"data path is a folder, expected a .jsonl/.csv/.parquet file: {source}")
+            raise DataError(f"{who}data path is a folder, expected a .jsonl/.csv/.parquet file: {source}")
         fmt = LOCAL_FORMATS.get(path.suffix.lower())
         if fmt is None:
-            raise DataError(f"unsupported data file type {path.suffix!r} for {source}; "
+            raise DataError(f"{who}unsupported data file type {path.suffix!r} for {source}; "
                             f"use one of {sorted(LOCAL_FORMATS)}")
-        if path.stat().st_size == 0:
-            raise DataError(f"data file is empty: {source}")
         if fmt != "parquet":
             check_utf8(path)
+        if path.stat().st_size == 0 or (path.suffix.lower() == ".jsonl" and not check_json_lines(path, who)):
+            raise DataError(f"{who}data file is empty: {source}")
         bars = datasets.utils.logging.is_progress_bar_enabled()
         datasets.utils.logging.disable_progress_bar()  # (a bar per local file read is noise on the terminal)
         try:
@@ -150,9 +182,10 @@ def load_table(source: str, split: str, revision: str | None = None, subset: str
 
 def load_examples(source: str, split: str, prompt_column: str, answer_column: str,
                   limit: int | None = None, revision: str | None = None,
-                  subset: str | None = None) -> list[Example]:
-    """Rows of a data set as `Example`s, in file order; missing columns fail naming them."""
-    return examples_of(load_table(source, split, revision, subset), source, prompt_column, answer_column, limit)
+                  subset: str | None = None, key: str | None = None) -> list[Example]:
+    """Rows of a data set as `Example`s, in file order; missing columns fail naming them (and `key`, the setting
+    that names the source)."""
+    return examples_of(load_table(source, split, revision, subset, key), source, prompt_column, answer_column, limit)
 
 
 def examples_of(table, source: str, prompt_column: str, answer_column: str | None,
@@ -177,6 +210,10 @@ def examples_of(table, source: str, prompt_column: str, answer_column: str | Non
                             "right column?")
         if q is None or not q.strip():
             raise DataError(f"{source}: row {i} has an empty {prompt_column!r}")
+        if a is not None and not isinstance(a, (str, int, float)) or isinstance(a, bool):  # (a list or a dict
+            # would be scored as its printed form, a boolean as the word)
+            raise DataError(f"{source}: row {i} column {answer_column!r} (data.answer_column) holds "
+                            f"{type(a).__name__} {str(a)[:40]!r}, not text or a number")
         a = "" if a is None else str(a)
         extra = {k: v for k, v in row.items() if k != prompt_column}  # (the answer column under its own name
         # too, raw, as TRL passes it: `def accuracy_reward(completions, solution, **kw)` reads `solution`)
@@ -209,7 +246,7 @@ def load_split(d: DataConfig, which: str, limit: int | None = None) -> list[Exam
     if source is None:
         raise DataError(f"data.{which} is null: there are no {which} rows")
     return load_examples(source, split, d.prompt_column, d.answer_column, limit=limit, revision=d.revision,
-                         subset=d.subset)
+                         subset=d.subset, key=f"data.{which}")
 
 
 def fingerprint(examples: list[Example]) -> dict:
@@ -224,12 +261,15 @@ def fingerprint(examples: list[Example]) -> dict:
     return {"rows": len(examples), "sha256": h.hexdigest()[:16]}
 
 
-def reward_inputs(examples: list[Example], completion_tokens: list[int], truncated: list[bool]) -> dict[str, list]:
+def reward_inputs(examples: list[Example], completion_tokens: list[int], truncated: list[bool],
+                  model_tokens: list[int] | None = None) -> dict[str, list]:
     """The keyword columns every reward receives, one entry per completion (examples repeated per
     completion): the data set's other columns, then ours, which win a name clash: `answer` (the gold
     final answer), `answer_text` (the answer column as written: a GSM8K answer's worked solution, which a
-    data set's own `answer` column would otherwise lose to ours), `completion_tokens`, `truncated` and
-    `prompt_id`. Built here only, for training and evaluation alike.
+    data set's own `answer` column would otherwise lose to ours), `completion_tokens` (every token, as
+    TRL's completion_ids: a multi-turn completion's tool results too), `truncated`, `prompt_id` and, for a
+    multi-turn completion, `model_tokens` (the tokens the model wrote, in every turn: tool results out).
+    Built here only, for training and evaluation alike.
 
     >>> ex = [Example(0, "Q", "4", {"level": 2, "answer": "ignored"}, answer_text="2 + 2 = <<2+2=4>>4\\n#### 4")]
     >>> reward_inputs(ex, [5], [False])  # doctest: +NORMALIZE_WHITESPACE
@@ -241,6 +281,8 @@ def reward_inputs(examples: list[Example], completion_tokens: list[int], truncat
     columns.update(answer=[e.answer for e in examples], answer_text=[e.answer_text for e in examples],
                    completion_tokens=list(completion_tokens),
                    truncated=list(truncated), prompt_id=[e.prompt_id for e in examples])
+    if model_tokens is not None:
+        columns["model_tokens"] = list(model_tokens)
     return columns
 
 
@@ -256,8 +298,9 @@ class PromptSampler:
         random.Random(f"{self.seed}-{self.epoch}").shuffle(order)
         return order
 
-    def take(self, k: int) -> list[int]:
-        """The next `k` row indices in the data order (a new epoch's permutation when one runs out)."""
+    def take(self, k: int, step: int = 0) -> list[int]:
+        """The next `k` row indices in the data order (a new epoch's permutation when one runs out); `step`, the
+        training step they are drawn for, matters to the samplers that remember draws (DifficultySampler)."""
         out = []
         while len(out) < k:
             if self.position == self.n:
@@ -317,7 +360,7 @@ class CurriculumSampler(PromptSampler):
         self.pool = [i for i, n in enumerate(levels) if n <= level]  # row indices in file order
         super().__init__(len(self.pool), f"{seed}-level{level}", epoch, position)
 
-    def take(self, k: int) -> list[int]:
+    def take(self, k: int, step: int = 0) -> list[int]:
         return [self.pool[i] for i in super().take(k)]
 
     def state(self) -> dict:
@@ -328,9 +371,107 @@ class CurriculumSampler(PromptSampler):
         self.__init__(self.levels, self.base_seed, level)
 
 
-def make_sampler(n: int, seed: int, state: dict, curriculum: Curriculum | None = None) -> PromptSampler:
+BAND, MASTERED, OUT_OF_REACH = "band", "mastered", "out_of_reach"  # a prompt's standing (DifficultySampler)
+
+
+class DifficultySampler(PromptSampler):
+    """Online difficulty filtering (data.difficulty): the data order, less the prompts retired from it, with the
+    prompts of the band drawn again.
+
+    Each prompt's pass rate is its last group's mean accuracy (`observe`, after the step's scoring). A rate
+    inside the band (low < rate < high) keeps the prompt in the band: up to `replay` of each step's prompts are
+    drawn again, band prompts first, the longest-waiting first, once `replay_after` steps have passed since
+    their last draw. A rate at or below `low` retires it as out of reach, at or above `high` as mastered: the
+    data order skips it, and `revisit_after` steps after its last draw it is drawn again (in the replay share,
+    after the band's prompts, or when the order reaches it) and measured anew. A prompt never drawn is
+    unknown, and drawn when the order reaches it. The whole state (the order's
+    position, every drawn prompt's rate, groups, last draw and standing) is in `state()`, so a checkpoint
+    resumes the same draws. The rule is hand-written: prime-rl's easy/hard pools and the filtering papers
+    are algorithms, not a library we could call.
+
+    >>> from docuchat_rl.config import DifficultyConfig
+    >>> s = DifficultySampler(6, 0, DifficultyConfig(replay=0.5, replay_after=1, revisit_after=50))
+    >>> first = s.take(2, step=1)
+    >>> s.observe(1, first, [1.0, 0.5])  # the first mastered, the second in the band
+    >>> second = s.take(2, step=2)
+    >>> second[0] == first[1] and first[0] not in second  # the band prompt again, the mastered one rests
+    True
+    """
+
+    def __init__(self, n: int, seed: int, config, epoch: int = 0, position: int = 0,
+                 difficulty: dict | None = None):
+        super().__init__(n, seed, epoch, position)
+        self.config = config
+        self.prompts: dict[int, dict] = {int(i): dict(r) for i, r in (difficulty or {}).items()}
+        self.step, self.drawn = 0, {}  # the step being drawn: its prompts -> their pass rate when drawn
+        self.counts = {"replayed": 0, "revisited": 0}
+
+    def take(self, k: int, step: int = 0) -> list[int]:
+        c = self.config
+        if step != self.step:
+            self.step, self.drawn, self.counts = step, {}, {"replayed": 0, "revisited": 0}
+        quota = round(c.replay * k)
+        band = sorted((r["drawn"], i) for i, r in self.prompts.items()
+                      if r["standing"] == BAND and step - r["drawn"] >= c.replay_after and i not in self.drawn)
+        chosen = [i for _, i in band[:quota]]
+        rested = sorted((r["drawn"], i) for i, r in self.prompts.items()
+                        if r["standing"] != BAND and step - r["drawn"] >= c.revisit_after and i not in self.drawn)
+        revisits = [i for _, i in rested[:quota - len(chosen)]]  # (retired prompts whose rest is over)
+        self.counts["replayed"] += len(chosen)
+        self.counts["revisited"] += len(revisits)
+        chosen += revisits
+        skipped = 0
+        while len(chosen) < k:
+            i = super().take(1)[0]
+            r = self.prompts.get(i)
+            if (i in chosen or i in self.drawn) and len(self.drawn) + len(chosen) < self.n:
+                continue  # (drawn this step already)
+            if r is not None and r["standing"] != BAND and step - r["drawn"] < c.revisit_after and skipped < self.n:
+                skipped += 1  # (retired and resting; after a whole order of them, drawn all the same)
+                continue
+            self.counts["revisited"] += r is not None and r["standing"] != BAND
+            chosen.append(i)
+        for i in chosen:
+            r = self.prompts.setdefault(i, {"rate": None, "groups": 0, "drawn": step, "standing": BAND})
+            self.drawn[i] = r["rate"]
+            r["drawn"] = step
+        return chosen
+
+    def observe(self, step: int, idx: list[int], rates: list[float | None]) -> None:
+        """Record each drawn prompt's group pass rate (None: no accuracy value, nothing learned of it)."""
+        c = self.config
+        for i, rate in zip(idx, rates):
+            if rate is None:
+                continue
+            r = self.prompts[i]
+            r["rate"], r["groups"] = rate, r["groups"] + 1
+            r["standing"] = OUT_OF_REACH if rate <= c.low else MASTERED if rate >= c.high else BAND
+
+    def in_band(self, rate: float | None) -> bool:
+        """Whether a group's pass rate is inside the band (None: unknown, not inside)."""
+        return rate is not None and self.config.low < rate < self.config.high
+
+    def metrics(self) -> dict[str, float]:
+        """The step's draws and the standing of every prompt drawn so far (metrics.jsonl, `difficulty/...`)."""
+        standing = [r["standing"] for r in self.prompts.values()]
+        drawn = [self.prompts[i]["rate"] for i in self.drawn]
+        return {"difficulty/band_share": sum(map(self.in_band, drawn)) / len(drawn) if drawn else None,
+                "difficulty/replayed": self.counts["replayed"], "difficulty/revisited": self.counts["revisited"],
+                "difficulty/known": len(standing), "difficulty/in_band": standing.count(BAND),
+                "difficulty/mastered": standing.count(MASTERED), "difficulty/out_of_reach": standing.count(OUT_OF_REACH)}
+
+    def state(self) -> dict:
+        return {**super().state(), "difficulty": {str(i): dict(r) for i, r in sorted(self.prompts.items())}}
+
+
+def make_sampler(n: int, seed: int, state: dict, curriculum: Curriculum | None = None,
+                 difficulty=None) -> PromptSampler:
     """The run's data order at `state` (a sampler's `state()`); with a curriculum, over its rows up to its level
-    (a level it reached after `state` was taken starts that level's order afresh)."""
+    (a level it reached after `state` was taken starts that level's order afresh); with `difficulty`
+    (data.difficulty), the order with its retired and replayed prompts (DifficultySampler)."""
+    if difficulty is not None:
+        return DifficultySampler(n, seed, difficulty, **state)
+    state = {k: v for k, v in state.items() if k != "difficulty"}  # (a run resumed with data.difficulty off)
     if curriculum is None:
         return PromptSampler(n, seed, **state)
     sampler = CurriculumSampler(curriculum.levels, seed, **{"level": curriculum.level, **state})

@@ -1,10 +1,17 @@
-"""Evaluation: greedy accuracy, pass@k by sampling, mean of each reward component, format rate, length.
+"""Evaluation: greedy accuracy, sampled pass@1 and pass@k, mean of each reward component, format rate, length.
 
 Accuracy is the raw score of the `rewards.accuracy_component` reward (correctness by default) on the
 greedy completion; the format rate is the share of greedy completions with a format score of exactly 1
 (partial credit does not count) when a `format` component is configured (strict format otherwise).
-pass@k is the share of prompts with at least one correct completion among k samples (k samples per
-prompt, so the unbiased estimator is this share).
+With eval.pass_k = k, each prompt is also sampled k times at the rollout's temperature: pass@1 is the mean
+accuracy of those samples (what RL's sampled accuracy is, held out), pass@k the share of prompts with at
+least one correct sample (k samples per prompt, so the unbiased estimator is this share). Greedy accuracy
+says what the policy's mode does; pass@1 what its distribution does; pass@k what it can do at all.
+
+Each of the three comes with its 95% interval (`<name>/ci95`, Wilson's score interval over the `rows`
+prompts: `wilson`), and `compare` says the difference between two evaluations with its interval
+(Newcombe's hybrid score interval: `difference`). A prompt is the unit: its k samples are not independent
+trials, and counting prompts keeps pass@1's interval conservative.
 The rewards receive the same inputs as in training (`data.reward_inputs`: the data set's columns,
 answer, completion_tokens, truncated, prompt_id), so a custom reward that reads a column scores here too.
 
@@ -14,7 +21,7 @@ Deliberately left out: majority voting (maj@k) and per-difficulty breakdowns.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,7 +37,7 @@ from .sampling.decoding import Decoding
 from .sampling.generation import completion_texts, generate, row_seed
 from .sampling.multiturn import multiturn_from_config
 from .sampling.scoring import build_reward, score
-from .traces import reward_means
+from .traces import reward_gaps, reward_means
 
 EVAL_STEP = 0  # pass@k's random streams are row_seed(run seed, EVAL_STEP, row, sample); training steps start at 1
 
@@ -48,6 +55,7 @@ class EvalRow:
     # tool's error); a call a limit kept from running is neither
     ran_calls: int = 0  # multi-turn: the calls that ran (ToolCall.ran)
     reset_failed: bool = False  # its environment's reset raised: said, and left out of every number
+    errors: dict[str, str | None] = field(default_factory=dict)  # each component's error on the greedy one
 
 
 def also_sets(cfg: Config) -> dict[str, list[Example]]:
@@ -55,7 +63,8 @@ def also_sets(cfg: Config) -> dict[str, list[Example]]:
     naming it)."""
     d = cfg.data
     return {name: load_examples(path, d.test_split, d.prompt_column, d.answer_column, limit=cfg.eval.limit,
-                                revision=d.revision, subset=d.subset) for name, path in cfg.eval.also.items()}
+                                revision=d.revision, subset=d.subset, key=f"eval.also.{name}")
+            for name, path in cfg.eval.also.items()}
 
 
 def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = None, dist: Dist | None = None,
@@ -102,6 +111,10 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
         out["reset_failed"] = failed
     for name, mean in reward_means([r.raw for r in rows], reward.names).items():
         out[f"{name}/mean"] = mean
+    gaps = reward_gaps([{n: {"raw": r.raw[n], "error": r.errors.get(n)} for n in reward.names} for r in rows],
+                       reward.names, "held-out completions")
+    if gaps:  # (said by the command, one line each: traces.reward_gaps)
+        out["reward_gaps"] = gaps
     if acc_name in reward.names:
         out["accuracy"] = out[f"{acc_name}/mean"]
     out["format_rate"] = float(np.mean([r.raw.get("format") == 1.0 for r in rows])) if rows else None  # (a
@@ -114,10 +127,89 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
         ran = sum(r.ran_calls for r in rows)
         out["tool_call_ok_frac"] = (ran - sum(r.failed_calls for r in rows)) / ran if ran else None
     if k:
-        hits = np.array([r.hits for r in rows])  # [rows, k]
-        out[f"pass@{k}"] = float((hits.max(axis=1) > 0).mean())
-        out[f"mean@{k}"] = float(hits.mean())
+        out.update(sampled(np.array([r.hits for r in rows])))
+        out["sampled_temperature"] = cfg.rollout.temperature
+    out.update(intervals(out, len(rows)))
     out["seconds"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+def sampled(hits: np.ndarray) -> dict[str, float]:
+    """pass@1 (the mean accuracy of the samples) and pass@k (the share of prompts with a correct one) of `hits`,
+    each prompt's k samples' accuracy scores [prompts, k].
+
+    >>> sampled(np.array([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]]))
+    {'pass@1': 0.5, 'pass@4': 0.6666666666666666}
+    """
+    k = hits.shape[1]
+    return {"pass@1": float(hits.mean()), f"pass@{k}": float((hits.max(axis=1) > 0).mean())}
+
+
+def intervals(out: dict, n: int) -> dict[str, list[float]]:
+    """The 95% interval (`wilson`, over the `n` prompts) of each accuracy-like number in `out`, as `<name>/ci95`.
+
+    >>> intervals({"accuracy": 0.5, "pass@4": 2 / 3, "rows": 3}, 3)
+    {'accuracy/ci95': [0.125334, 0.874666], 'pass@4/ci95': [0.20766, 0.938508]}
+    """
+    return {f"{key}/ci95": list(wilson(v, n)) for key, v in out.items()
+            if (key == "accuracy" or key.startswith("pass@")) and isinstance(v, (int, float)) and n}
+
+
+# Wilson's and Newcombe's intervals are a few lines each; scipy and statsmodels have them, but neither is a
+# dependency of ours, and these lines are all we would use of them.
+Z95 = 1.959963984540054  # the standard normal's 97.5th percentile
+
+
+def wilson(p: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson's score interval of a proportion `p` observed in `n` trials (95% by default): unlike the normal
+    approximation it stays inside [0, 1] and is honest at 0% and 100%.
+
+    >>> [round(x, 4) for x in wilson(0.5, 100)]
+    [0.4038, 0.5962]
+    >>> [round(x, 4) for x in wilson(0.0, 20)]
+    [0.0, 0.1611]
+    """
+    if n <= 0:
+        return (0.0, 1.0)
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return (round(float(max(0.0, centre - half)), 6), round(float(min(1.0, centre + half)), 6))
+
+
+def difference(p1: float, n1: int, p2: float, n2: int, z: float = Z95) -> tuple[float, float, float]:
+    """(p1 - p2, and its 95% interval) for two proportions from independent samples: Newcombe's hybrid score
+    interval (his method 10), built from each one's Wilson interval. On the same held-out rows the two are
+    positively correlated, which makes this interval conservative (wider than a paired one).
+
+    >>> [round(x, 4) for x in difference(56 / 70, 70, 48 / 80, 80)]  # (Newcombe 1998's examples: 0.0524 to 0.3339
+    [0.2, 0.0524, 0.3339]
+    >>> [round(x, 4) for x in difference(9 / 10, 10, 3 / 10, 10)]  # and 0.1705 to 0.8090, method 10)
+    [0.6, 0.1705, 0.809]
+    """
+    l1, u1 = wilson(p1, n1, z)
+    l2, u2 = wilson(p2, n2, z)
+    d = p1 - p2
+    lo = d - np.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2)
+    hi = d + np.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
+    return (round(d, 6), round(float(lo), 6), round(float(hi), 6))
+
+
+def compare(new: dict, old: dict) -> dict:
+    """Every accuracy-like number (accuracy, pass@1, pass@k, of each set) the two evaluations share, as the
+    difference new - old with its 95% interval (`difference`) and whether the interval excludes 0."""
+    out = {}
+    for key, value in new.items():
+        name, _, metric = key.rpartition("/")
+        if not (metric == "accuracy" or metric.startswith("pass@")) or key.endswith("/ci95"):
+            continue
+        rows_key = f"{name}/rows" if name else "rows"
+        if not isinstance(value, (int, float)) or not isinstance(old.get(key), (int, float)):
+            continue
+        if not new.get(rows_key) or not old.get(rows_key):
+            continue
+        d, lo, hi = difference(value, new[rows_key], old[key], old[rows_key])
+        out[key] = {"new": value, "old": old[key], "difference": d, "ci95": [lo, hi],
+                    "beyond_noise": bool(lo > 0 or hi < 0)}
     return out
 
 
@@ -171,7 +263,8 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
         hits = [flat[i * k:(i + 1) * k] for i in range(len(examples))]
     calls = [[c for t in turns for c in t.calls] for turns in gen.turns] if gen.turns else [[]] * len(examples)
     reset_failed = set(gen.dropped_groups) | (set(sgen.dropped_groups) if k else set())  # (one row a group)
-    return [EvalRow(raw={n: rec.components[n].raw for n in reward.names}, tokens=len(ids), truncated=bool(trunc),
+    return [EvalRow(raw={n: rec.components[n].raw for n in reward.names},
+                    errors={n: rec.components[n].error for n in reward.names}, tokens=len(ids), truncated=bool(trunc),
                     hits=h, calls=len(cs), failed_calls=sum(c.ran and c.error is not None for c in cs),
                     ran_calls=sum(c.ran for c in cs), reset_failed=i in reset_failed)
             for i, (rec, ids, trunc, h, cs) in enumerate(zip(res.records, gen.completion_ids, gen.truncated, hits,

@@ -110,6 +110,27 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     return "float32"
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX), where a bfloat16 matmul beats float32;
+    on one without (AVX2 only), torch emulates it."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # (torch.cpu's own, private but stable)
+    return any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+
+
+_SAID_BF16: set[str] = set()
+
+
+def warn_slow_bf16(name: str) -> None:
+    """Say once a process that a bfloat16 dtype on this CPU is emulated: measured on 2 AVX2-only EPYC cores
+    (2026-11-28), SmolLM2-135M's forward 6x and its backward 20x slower than float32."""
+    if name in _SAID_BF16:
+        return
+    _SAID_BF16.add(name)
+    warnings.warn(f"model.dtype {name} on a CPU without native bfloat16 (no AVX512-BF16 or AMX): torch emulates it, "
+                  "and a step runs several times slower than in float32 (measured: SmolLM2-135M's forward 6x, its "
+                  "backward 20x); set model.dtype=float32 here", stacklevel=3)
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
     """The torch dtype the weights load in (bf16-mixed: bfloat16); base: the checkpoint's own dtype."""
     if dtype == "base":
@@ -221,6 +242,8 @@ def prepare_model(model, tok, dtype: str = "auto", device: str = "auto", stop_to
     a model a user loaded."""
     dev = pick_device(device)
     resolved = resolve_dtype(dtype, dev) if dtype != "base" else None
+    if dev.type == "cpu" and resolved in (MIXED, AUTOCAST, "bfloat16") and not native_bf16_cpu():
+        warn_slow_bf16(resolved)
     want = pick_dtype(dtype, dev) if resolved is not None else None
     for param in model.parameters():  # (a model loaded elsewhere, in another dtype: its weights only; buffers such
         if param.is_floating_point() and want is not None and param.dtype != want:  # as the rotary inv_freq stay
@@ -243,6 +266,35 @@ def eos_ids(model, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def end_of_turn(model, tokenizer) -> int:
+    """The stop token a supervised target ends with: of the model's stops (`eos_ids`), the one its chat template
+    writes first after an assistant message's text (Llama 3's <|eot_id|>, Gemma's <end_of_turn>, ChatML's
+    <|im_end|>), found by rendering a one-turn conversation, as the tool loop finds its result framing. A list
+    that puts end-of-text first (Llama-3.x-Instruct [128001, 128008, 128009], Gemma-3-IT [1, 106]) would
+    otherwise teach a token the template never writes after an answer. Without a template (a base model's plain
+    form), or where the template writes none of the stops, the first stop.
+
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> tok = AutoTokenizer.from_pretrained("data/model")
+    >>> model = AutoModelForCausalLM.from_pretrained("data/model")
+    >>> model.generation_config.eos_token_id = [0, 3]  # (<|endoftext|> first, as Llama 3's list has it)
+    >>> tok.decode([end_of_turn(model, tok)])
+    '<|im_end|>'
+    """
+    stops = eos_ids(model, tokenizer)
+    if not getattr(tokenizer, "chat_template", None) or not stops:
+        return stops[0]
+    marker = "\u2063end-of-answer\u2063"  # (text no template writes: where the assistant's content ends)
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
+                                              {"role": "assistant", "content": marker}], tokenize=False)
+    except Exception:  # noqa: BLE001 (a template that cannot render a plain answer: nothing to find)
+        return stops[0]
+    tail = text[text.rfind(marker) + len(marker):] if marker in text else ""
+    found = [(tail.find(word), i) for i in stops if (word := tokenizer.decode([i])) and word in tail]
+    return min(found)[1] if found else stops[0]
 
 
 def add_stop_tokens(model, tokenizer, texts: list[str] | tuple[str, ...]) -> list[int]:

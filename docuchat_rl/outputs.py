@@ -172,21 +172,35 @@ class JsonlWriter:
         self._f.close()
 
 
-def read_jsonl(path: str | Path, skipped: list[int] | None = None) -> list[dict]:
+def read_jsonl(path: str | Path, skipped: list[int] | None = None, why: dict[int, str] | None = None) -> list[dict]:
     """All complete, valid records: a torn line (a run killed mid-write), one that is not an object or not
-    UTF-8 (a damaged or hand-edited file) is skipped, its line number appended to `skipped` when given (a
-    command that reads a user's file says how many it skipped)."""
+    UTF-8 (a damaged or hand-edited file) is skipped, never read with replacement characters, its line number
+    appended to `skipped` when given (a command that reads a user's file says how many it skipped) and the
+    reason put in `why` (line -> "not UTF-8 text" / "not a JSON object"). A folder is one line saying so."""
+    path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(f"{path} is a folder, where a JSON lines file is meant")
     out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                rec = None
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                line, reason = None, "not UTF-8 text"
+            rec = None
+            if line is not None:
+                try:
+                    rec = json.loads(line)
+                except (json.JSONDecodeError, RecursionError):
+                    rec = None
+                reason = "not a JSON object"
             if isinstance(rec, dict):
                 out.append(rec)
-            elif line.strip() and skipped is not None:
-                skipped.append(number)
+            elif raw.strip():
+                if skipped is not None:
+                    skipped.append(number)
+                if why is not None:
+                    why[number] = reason
     return out
 
 
@@ -220,14 +234,18 @@ class RunLock:
             self._f.close()  # closing the file drops the flock
 
 
-def check_writable(out_dir: Path) -> None:
+def check_writable(out_dir: Path, key: str = "run.output_dir") -> None:
     """Create `out_dir` (and its parents) and write a probe file there; raise RuntimeError naming the
-    folder when that fails, so a run never loads a model only to fail at its first checkpoint."""
+    folder and its `key` when that fails, so a run never loads a model only to fail at its first checkpoint.
+    The working folder itself is refused: a run's files would mix with the user's."""
     out_dir = Path(out_dir)
+    if out_dir.resolve() == Path.cwd().resolve():
+        raise RuntimeError(f"{key} {out_dir} is the working folder itself: name a folder of its own (a run's "
+                              "files would mix with yours)")
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".write-probe-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as e:
-        raise RuntimeError(f"run.output_dir {out_dir} is not writable: {e.strerror or e}") from None
+        raise RuntimeError(f"{key} {out_dir} is not writable: {e.strerror or e}") from None

@@ -13,6 +13,7 @@ are summed by hand and FSDP2 is applied by `distributed.shard_layers`; see distr
 
 from __future__ import annotations
 
+import math
 import sys
 import uuid
 import warnings
@@ -28,6 +29,7 @@ from .checkpoint import (
     load_start_adapter,
     resolve_adapter,
     check_resumable,
+    saved_config,
     checkpoint_step,
     list_checkpoints,
     load_training_state,
@@ -172,6 +174,8 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
     # every `auto` decided for this device, once: the switches, and the dtype (a resume compares what they are)
     cfg = cfg.for_device(place.dist.device.type)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": place.dtype})})
+    if resume_dir is not None and cfg.sft is not None:
+        cfg = _recorded_sft_folder(cfg, resume_dir)
     applied = check_resumable(resume_dir, cfg.to_dict()) if resume_dir else []
     lock = None
     try:
@@ -184,6 +188,20 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
         if lock is not None:
             lock.release()
         raise
+
+
+def _recorded_sft_folder(cfg: Config, resume_dir: Path) -> Config:
+    """On a resume, sft.output_dir is the checkpoint's own: it names the SFT stage the run started from, which
+    a resume never reads (the checkpoint holds the adapter and the KL reference). Resuming into a new
+    run.output_dir derives another default, which is put back; a value given that is neither is one line."""
+    recorded = ((saved_config(resume_dir) or {}).get("sft") or {}).get("output_dir")
+    if recorded is None or recorded == cfg.sft.output_dir:
+        return cfg
+    if cfg.sft.output_dir != cfg.run.output_dir.rstrip("/") + "-sft":
+        raise CheckpointError(f"sft.output_dir {cfg.sft.output_dir}: {resume_dir.name} started from the SFT stage "
+                              f"in {recorded}, and a resume does not read it: leave sft.output_dir out (the "
+                              "checkpoint's own is kept)")
+    return cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"output_dir": recorded})})
 
 
 def _launch(cfg: Config) -> Placement:
@@ -227,11 +245,12 @@ def _agree(dist: Dist, fn, *args):
     return result
 
 
-def _claim(out_dir: Path, overwrite: bool, resume_dir: Path | None, main: bool) -> RunLock | None:
+def _claim(out_dir: Path, overwrite: bool, resume_dir: Path | None, main: bool,
+           key: str = "run.output_dir") -> RunLock | None:
     """The output folder is writable, locked by this run, and (a new run) empty or overwritable; a resume
     writes only into its own run's folder from its newest checkpoint on, or into a new folder that starts
     with the history up to the checkpoint (never cutting another run's files)."""
-    check_writable(out_dir)
+    check_writable(out_dir, key)
     if not main:
         return None
     lock = RunLock(out_dir)
@@ -242,14 +261,14 @@ def _claim(out_dir: Path, overwrite: bool, resume_dir: Path | None, main: bool) 
             claim_output_dir(out_dir, overwrite, resuming=resume_dir)
             adopt_history(out_dir, resume_dir.parent, read_trainer_state(resume_dir).offsets)
         else:
-            _check_newest(out_dir, resume_dir)
+            _check_newest(out_dir, resume_dir, key)
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def _check_newest(out_dir: Path, resume_dir: Path) -> None:
+def _check_newest(out_dir: Path, resume_dir: Path, key: str = "run.output_dir") -> None:
     """Resuming inside a run folder starts from its newest intact checkpoint: from an older one, the later
     steps' traces and metrics would be cut and their checkpoints pruned as newer than the resumed run's."""
     step = checkpoint_step(resume_dir)
@@ -258,7 +277,7 @@ def _check_newest(out_dir: Path, resume_dir: Path) -> None:
     if newer:
         raise ValueError(f"{resume_dir.name} is older than {', '.join(newer)} in {out_dir}: resuming it there would "
                          f"cut the later steps' traces and checkpoints; resume it into a new folder (--set "
-                         f"run.output_dir=...), which starts with the history up to step {step}")
+                         f"{key}=...), which starts with the history up to step {step}")
 
 
 def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example] | None,
@@ -291,6 +310,8 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
         _check_same_rows(cfg.data.train, resume_dir, rows)
     start, reference = start_adapters(cfg, resume_dir)
     model, tokenizer, algo, params = _model(cfg, place, start, reference, loaded)
+    if start is not None and dist.is_main:  # (once it loaded: an adapter that does not fit is one line alone)
+        print(f"docuchat-rl: the adapter starts from {describe_start(start)}", file=sys.stderr, flush=True)
     head = list(algo.critic.parameters()) if algo.critic is not None else []
     opt, sched = _optimizer(params, cfg.optim, cfg.run.steps * cfg.algorithm.num_iterations
                             * (cfg.rollout.batch_rows // cfg.minibatch_rows),
@@ -356,7 +377,7 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
         else:
             lagged.record(0, model)
     curriculum = Curriculum.start(cfg.data.curriculum, levels, state.curriculum) if levels is not None else None
-    sampler = make_sampler(len(examples), cfg.run.seed, state.sampler, curriculum)
+    sampler = make_sampler(len(examples), cfg.run.seed, state.sampler, curriculum, cfg.data.difficulty)
     vocab = model.get_output_embeddings().weight.shape[0]
     chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
     r = cfg.rollout
@@ -370,7 +391,8 @@ def _assemble(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | N
     learner = Learner(cfg.optim, handed, model, algo, params, optimizer, scheduler, place.accelerator, dist,
                       state.nonfinite_streak)
     collector = Collector(cfg.rollout, tokenizer, examples, prompt_texts, reward, sampler, cfg.run.seed, dist,
-                          place.lockstep, max_steps=cfg.run.steps, engine=engine, stop=eos_ids(model, tokenizer))
+                          place.lockstep, max_steps=cfg.run.steps, engine=engine, stop=eos_ids(model, tokenizer),
+                          accuracy=cfg.rewards.accuracy_component)
     collector.multiturn = multiturn
     outputs = Outputs.open(out_dir, dist.is_main, state.offsets)
     wandb_run = None
@@ -471,6 +493,26 @@ def _start_key(cfg: Config) -> str:
         else "lora.init_from"
 
 
+def describe_start(folder: Path) -> str:
+    """What a start adapter is, in words: the folder, and for one of our checkpoints its step of its stage's steps,
+    saying when the stage did not finish (an `sft --stop-after`, or a stage still running)."""
+    try:
+        state = read_trainer_state(folder)
+        recorded = saved_config(folder) or {}
+    except CheckpointError:
+        return str(folder)
+    step, sft, run = state.step, recorded.get("sft") or {}, recorded.get("run") or {}
+    stage = "SFT" if sft and folder.parent.resolve() == Path(str(sft.get("output_dir", ""))).resolve() else "RL"
+    total = run.get("steps")
+    if stage == "SFT":  # (sft.steps, or its epochs' worth of the examples it learned)
+        rows = (state.data or {}).get("rows")
+        total = sft.get("steps") or (rows and math.ceil((sft.get("epochs") or 1.0) * rows / sft.get("batch_size", 16)))
+    if not total:
+        return f"{folder} (step {step} of its {stage} stage)"
+    unfinished = "" if step >= total else f": that stage stopped before its last step ({total - step} left)"
+    return f"{folder} (step {step} of its {stage} stage's {total}{unfinished})"
+
+
 def start_adapters(cfg: Config, resume_dir: Path | None) -> tuple[Path | None, Path | None]:
     """(the adapter `train` starts from, the KL reference's adapter) as folders. The start is cfg.rl_start's
     newest intact checkpoint (none on a resume: the checkpoint holds the adapter). The reference, with
@@ -520,8 +562,14 @@ def _check_lengths(cfg: Config, tokenizer, examples: list[Example], prompt_texts
                             f"for a prompt in the model's context of {context_len} tokens")
     lengths = [len(x) for x in tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]]
     for i, n in enumerate(lengths):
-        if n > limit or (budget is not None and n > budget):
+        if budget is not None and limit >= n > budget:  # (the context binds: data.max_prompt_tokens would not help)
             raise TrainingError(
-                f"{cfg.data.train}: row {examples[i].prompt_id} has a prompt of {n} tokens; "
-                f"data.max_prompt_tokens is {limit} and the model's context leaves {budget} after "
-                f"rollout.max_new_tokens; shorten it, filter the data, or raise the limit")
+                f"{cfg.data.train}: row {examples[i].prompt_id} has a prompt of {n} tokens, and the model's context "
+                f"of {context_len} leaves {budget} after rollout.max_new_tokens ({cfg.rollout.max_new_tokens}): lower "
+                "rollout.max_new_tokens, shorten the prompt (data.system_prompt, data.few_shot) or filter the data")
+        if n > limit:
+            raise TrainingError(
+                f"{cfg.data.train}: row {examples[i].prompt_id} has a prompt of {n} tokens, over data.max_prompt_tokens "
+                f"({limit}); raise data.max_prompt_tokens"
+                + (f" (the model's context leaves {budget} after rollout.max_new_tokens)" if budget is not None else "")
+                + ", shorten the prompt or filter the data")

@@ -43,7 +43,8 @@ class StepLog:
         for key, values in dist.gather(list(rollout.reward_metrics.items())):
             logged.setdefault(key, []).extend(values)
         m = {"step": step, **step_metrics(records, run.reward.names, self.cfg.rewards.accuracy_component),
-             "prompts_sampled": rollout.prompts_sampled, "groups_used": rollout.groups_used, "kl": None, **metrics}
+             "prompts_sampled": rollout.prompts_sampled, "groups_used": rollout.groups_used, "kl": None,
+             **rollout.data_metrics, **metrics}
         for key, values in logged.items():  # (under "user/<name>" where the name is one of ours)
             m[key if key not in m else f"user/{key}"] = sum(values) / len(values)
         if run.curriculum is not None:  # (the same records on every process: each decides the same)

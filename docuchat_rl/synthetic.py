@@ -8,10 +8,16 @@ A `Wording` says how a problem is written: `plain` (the embedded default's few p
 for a tiny model), `varied` (many names, objects, opening and question sentences, phrases per operation and
 two number scales, drawn per row: training data that does not teach one phrasing) and `unseen` (pools
 disjoint from both, the same operations and number ranges: a held-out set in a wording training never saw,
-to tell a learned skill from a learned phrasing).
+to tell a learned skill from a learned phrasing). `unseen` writes each operation in several sentence forms
+(a verb, a comparison with "before", a fraction or "times as many", a change of "the number of") and in
+three sentence orders (the story, the question first, the starting count last); `unseen_v1` is the first,
+smaller unseen pool, kept so that `data/task_1op_unseen` is still what the generator writes.
 
-Deliberately left out: fractions, percentages, units conversion and distractor sentences. The task has to
-be learnable by a few-million-parameter model on a CPU in minutes; the real GSM8K is one config away.
+`answer_only` rows (`Problem.answer_only`) keep the question and the final `#### N` line only: data a
+supervised stage cannot learn a worked solution from, for RL after SFT (docs/generalization.md).
+
+Deliberately left out: percentages, units conversion and distractor sentences. The task has to be learnable
+by a few-million-parameter model on a CPU in minutes; the real GSM8K is one config away.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+
+from .data import normalized
 
 NAMES = ["Ava", "Ben", "Cara", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena",
          "Milo", "Nora", "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Vic", "Wes", "Zoe"]
@@ -48,6 +56,28 @@ class Wording:
     phrases: dict[str, tuple[str, ...]]  # per operation
     questions: tuple[str, ...]
     scales: tuple[int, ...] = (1,)  # a row's starting count and added operands are multiplied by one of these
+    orders: tuple[str, ...] = ("story",)  # sentence orders (ORDERS), drawn per row
+    intros: tuple[str, ...] = ()  # the `start_last` order's first sentence (before the operations)
+    closings: tuple[str, ...] = ()  # the `start_last` order's starting count, said after the operations
+
+    def forms(self) -> set[str]:
+        """Every sentence template of the wording (names and objects are not forms)."""
+        return {*self.openings, *self.questions, *self.intros, *self.closings,
+                *(p for ps in self.phrases.values() for p in ps)}
+
+
+# How the sentences of a problem are ordered: `story` (the starting count, the operations, the question),
+# `question_first` (the question, then the story), `start_last` (an intro, the operations, then the starting
+# count "before all of this", then the question); the training wording `diverse` has two of its own: `ask_first`
+# (an intro, the question, the story) and `recap` (the story, the start said again, the question).
+ORDERS = ("story", "question_first", "start_last", "ask_first", "recap")
+
+# Words for an operand, in the sentence forms that say it in words: {frac} (keep 1/n), {times} (multiply by n).
+# A form that names one is drawn only for an operand it has a word for.
+FRACTIONS = {2: "half", 3: "a third", 4: "a quarter", 5: "a fifth", 6: "a sixth", 7: "a seventh",
+             8: "an eighth", 9: "a ninth"}
+TIMES = {2: "doubles", 3: "triples"}
+TIMES_VERB = {2: "doubles", 3: "triples", 4: "quadruples"}  # ({times_verb}: a person doing it, "Ava doubles the x")
 
 
 WORDINGS: dict[str, Wording] = {
@@ -91,6 +121,60 @@ WORDINGS: dict[str, Wording] = {
         ("What is the final count of {x}?", "How many {x} are left with {name} at the end?",
          "How many {x} does {name} hold once all this is done?")),
 }
+WORDINGS["unseen_v1"] = WORDINGS["unseen"]  # (data/task_1op_unseen's pools, as they were written)
+WORDINGS["unseen"] = Wording(
+    ("Aria", "Bruno", "Chloe", "Diego", "Esme", "Felix", "Greta", "Hugo", "Iris", "Jonah", "Kira", "Leo",
+     "Maya", "Nico", "Olive", "Priya", "Rafael", "Sofia", "Theo", "Vera", "Yusuf", "Zara", "Ansel", "Bea",
+     "Dmitri", "Elif", "Farah", "Gideon", "Halima", "Ines Ruiz", "Mr. Okafor", "Auntie Lou"),
+    ("oranges", "bottles", "feathers", "puzzles", "tickets", "candles", "jars", "socks", "magnets",
+     "paintbrushes", "nails", "blankets", "acorns", "envelopes", "spoons", "kites", "mugs", "plums",
+     "batteries", "corks"),
+    ("At first, {name} owns {v} {x}.", "{name}'s collection holds {v} {x}.",
+     "In the morning {name} counts {v} {x}.", "{name} begins the day with {v} {x}.",
+     "There were {v} {x} on {name}'s shelf.", "{name}'s box contains exactly {v} {x}."),
+    {"+": ("{name}'s aunt hands over another {n} {x}.", "Later, {name} collects {n} extra {x}.",
+           "{n} more {x} are added to {name}'s pile.", "{name} is given {n} {x} by a cousin.",
+           "Now {name} has {n} more {x} than before.", "The number of {x} goes up by {n}.",
+           "{n} {x} arrive in the mail for {name}."),
+     "-": ("{n} of the {x} get broken.", "{name} donates {n} {x} to a school.",
+           "Later, {name} trades away {n} {x}.", "Afterwards {name} has {n} fewer {x} than before.",
+           "The number of {x} drops by {n}.", "{name} mails {n} {x} to a pen pal.",
+           "{n} {x} roll under the sofa and are never found."),
+     "*": ("By evening the pile of {x} has grown to {n} times its size.",
+           "{name}'s stock of {x} becomes {n} times bigger.",
+           "A week later {name} owns {n} times as many {x} as before.",
+           "Each of the {x} is swapped for {n} new ones.", "The number of {x} {times}."),
+     "/": ("The {x} are packed equally into {n} crates, and {name} keeps only one crate.",
+           "{name} keeps one of {n} equal shares of the {x}.", "{name} keeps only {frac} of the {x}.",
+           "{name} gives away all but {frac} of the {x}.",
+           "Only one of {n} equal piles of {x} stays with {name}.")},
+    ("What is the final count of {x}?", "How many {x} are left with {name} at the end?",
+     "How many {x} does {name} hold once all this is done?", "In total, how many {x} remain?",
+     "Can you work out how many {x} {name} ends with?"),
+    orders=("story", "story", "question_first", "start_last"),
+    intros=("{name}'s {x} change a few times.", "Here is what happens to {name}'s {x}."),
+    closings=("Before all of this, {name} had {v} {x}.", "{name} started out with {v} {x}."))
+# RL's training wording for transfer (docs/generalization.md): varied's pools and more constructs, each in forms of
+# its own: comparisons, fractions and multipliers in words, a change said of the pile, two more sentence orders.
+# No form is an unseen one (tested): a model trained on it meets unseen's forms for the first time.
+_V = WORDINGS["varied"]
+WORDINGS["diverse"] = Wording(
+    _V.names, _V.items,
+    _V.openings + ("Exactly {v} {x} belong to {name}.", "{name} keeps {v} {x} in a drawer.",
+                   "To begin with, {name} has a stack of {v} {x}."),
+    {"+": _V.phrases["+"] + ("{name}'s {x} increase by {n}.", "{n} {x} are bought for {name}.",
+                             "{name} ends up with {n} {x} more than a moment ago."),
+     "-": _V.phrases["-"] + ("{name}'s {x} decrease by {n}.", "{name} has to throw out {n} {x}.",
+                             "{name} is left with {n} {x} fewer than a moment ago."),
+     "*": _V.phrases["*"] + ("{name} makes the stack {n} times larger.", "{name} {times_verb} the {x}.",
+                             "Each {x} turns into {n} {x}."),
+     "/": _V.phrases["/"] + ("{name} divides the {x} by {n}.", "{name} ends with {frac} as many {x} as a moment ago.",
+                             "After sharing, {name} has just {frac} of the {x} left.")},
+    _V.questions + ("What number of {x} does {name} have at the finish?", "Tell how many {x} {name} has left."),
+    scales=_V.scales,
+    orders=("story", "story", "ask_first", "recap"),
+    intros=("A puzzle about {name}'s {x}.",),
+    closings=("All of that started from {v} {x}.",))
 
 
 @dataclass(frozen=True)
@@ -100,9 +184,14 @@ class Problem:
     question: str
     answer: str  # GSM8K format: annotated steps, then "#### N"
     value: int
+    forms: tuple[str, ...] = ()  # the sentence templates it was written with, in order, and its order's name
 
     def as_record(self) -> dict:
         return {"question": self.question, "answer": self.answer}
+
+    def answer_only(self) -> Problem:
+        """The problem with its final answer only (`#### N`, no worked solution)."""
+        return Problem(self.question, f"#### {self.value}", self.value, self.forms)
 
 
 def _next_op(rng: random.Random, value: int) -> tuple[str, int]:
@@ -133,6 +222,13 @@ def _pick(rng: random.Random, pool):
     return pool[0] if len(pool) == 1 else rng.choice(pool)  # (one entry: no draw, so plain rows stay as they were)
 
 
+def _sayable(form: str, n: int) -> bool:
+    """Whether `form` can say operand `n` (a form with {frac}, {times} or {times_verb} has words for some
+    operands only)."""
+    return (("{frac}" not in form or n in FRACTIONS) and ("{times}" not in form or n in TIMES)
+            and ("{times_verb}" not in form or n in TIMES_VERB))
+
+
 def make_problem(rng: random.Random, ops: tuple[int, int] = (2, 4), wording: str = "plain") -> Problem:
     """A random word problem of ops[0]-ops[1] operations (2-4: the embedded default task), drawn from `rng`,
     written from the pools of `WORDINGS[wording]`."""
@@ -140,19 +236,41 @@ def make_problem(rng: random.Random, ops: tuple[int, int] = (2, 4), wording: str
     name, item = rng.choice(w.names), rng.choice(w.items)
     n_ops = rng.randint(*ops)
     scale = _pick(rng, w.scales)
-    value = rng.randint(2, 30) * scale
-    sentences = [_pick(rng, w.openings).format(name=name, v=value, x=item)]
-    steps = []
+    value = start = rng.randint(2, 30) * scale
+    order = _pick(rng, w.orders)
+    opening = _pick(rng, w.closings if order == "start_last" else w.openings)
+    forms = [opening]
+    middle, steps = [], []
     for _ in range(n_ops):
         op, n = _next_op(rng, value)
         n = n * scale if op == "+" else n
         new = _apply(op, value, n)
-        sentences.append(_pick(rng, w.phrases[op]).format(name=name, n=n, x=item))
+        phrase = _pick(rng, [f for f in w.phrases[op] if _sayable(f, n)])
+        forms.append(phrase)
+        middle.append(phrase.format(name=name, n=n, x=item, frac=FRACTIONS.get(n, ""), times=TIMES.get(n, ""),
+                                    times_verb=TIMES_VERB.get(n, "")))
         steps.append(f"{value} {op} {n} = <<{value}{op}{n}={new}>>{new}")
         value = new
-    sentences.append(_pick(rng, w.questions).format(name=name, x=item))
+    question = _pick(rng, w.questions)
+    forms.append(question)
+    start_text, ask = opening.format(name=name, v=start, x=item), question.format(name=name, x=item)
+    if order in ("question_first", "ask_first"):  # (ask_first: the intro, the question, then the story)
+        head = [] if order == "question_first" else [_pick(rng, w.intros)]
+        forms[:0] = head
+        sentences = [*(h.format(name=name, x=item) for h in head), ask, start_text, *middle]
+    elif order == "start_last":
+        intro = _pick(rng, w.intros)
+        forms.insert(0, intro)
+        sentences = [intro.format(name=name, x=item), *middle, start_text, ask]
+    elif order == "recap":  # (the story, then the start said again in other words, then the question)
+        recap = _pick(rng, w.closings)
+        forms.append(recap)
+        sentences = [start_text, *middle, recap.format(name=name, v=start, x=item), ask]
+    else:
+        sentences = [start_text, *middle, ask]
     answer = "\n".join(steps) + f"\n#### {value}"
-    return Problem(question=" ".join(x[0].upper() + x[1:] for x in sentences), answer=answer, value=value)
+    return Problem(question=" ".join(x[0].upper() + x[1:] for x in sentences), answer=answer, value=value,
+                   forms=(*forms, order))
 
 
 def make_split(seed: int, n: int, exclude: set[str] | None = None, ops: tuple[int, int] = (2, 4),
@@ -163,22 +281,28 @@ def make_split(seed: int, n: int, exclude: set[str] | None = None, ops: tuple[in
     out: list[Problem] = []
     while len(out) < n:
         p = make_problem(rng, ops, wording)
-        if p.question in seen:
+        key = normalized(p.question)
+        if key in seen or p.question in seen:
             continue
-        seen.add(p.question)
+        seen.update((key, p.question))
         out.append(p)
     return out
 
 
 def make_task(seed: int = 1234, n_train: int = 6000, n_test: int = 500,
               ops: tuple[int, int] = (2, 4), exclude: set[str] | None = None,
-              wording: str = "plain") -> dict[str, list[Problem]]:
-    """Disjoint train and test splits, neither holding a question of `exclude` (another task's held-out rows);
-    the test split is drawn first so its size never shifts it."""
-    test = make_split(seed + 1, n_test, exclude=exclude, ops=ops, wording=wording)
-    train = make_split(seed, n_train, exclude={p.question for p in test} | set(exclude or ()), ops=ops,
+              wording: str = "plain", answer_only: bool = False) -> dict[str, list[Problem]]:
+    """Disjoint train and test splits, neither holding a question of `exclude` (another task's held-out rows,
+    compared as `normalized` text); the test split is drawn first so its size never shifts it. `answer_only`:
+    every row's answer is its final `#### N` only."""
+    held = {normalized(q) for q in exclude or ()}
+    test = make_split(seed + 1, n_test, exclude=held, ops=ops, wording=wording)
+    train = make_split(seed, n_train, exclude={normalized(p.question) for p in test} | held, ops=ops,
                        wording=wording)
+    if answer_only:
+        test, train = [p.answer_only() for p in test], [p.answer_only() for p in train]
     return {"train": train, "test": test}
+
 
 
 def write_jsonl(problems: list[Problem], path: Path) -> str:

@@ -68,15 +68,24 @@ class TraceRecord:
     observation: str | None = _f("VARCHAR", "multi-turn: the environment's first observation as appended to the "
                                             "prompt (cut to data.max_prompt_tokens, said in its text); null when "
                                             "none", None)
+    prompt_pass_rate: float | None = _f("DOUBLE", "data.difficulty: the prompt's pass rate (its last group's mean "
+                                                  "accuracy) when this step drew it; null on its first draw; absent "
+                                                  "without data.difficulty", None)  # (NOT_DRAWN_BY_DIFFICULTY: left out)
     algorithm: dict[str, float | None] = field(default_factory=dict)  # the algorithm's per-row values
     # (Algorithm.trace_fields: ALGORITHM_FIELDS below), None on rows not trained on; flattened into the JSON
 
     def to_json(self) -> dict:
         """The JSON line: the fields above, the algorithm's values at the top level."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "algorithm"}
+        if out["prompt_pass_rate"] == NOT_DRAWN_BY_DIFFICULTY:  # (by value: a record gathered from another
+            # process is a copy)
+            del out["prompt_pass_rate"]  # (a run without data.difficulty writes the lines it always wrote)
         out.update(self.algorithm)
         return out
 
+
+NOT_DRAWN_BY_DIFFICULTY = float("-inf")  # a TraceRecord's prompt_pass_rate when data.difficulty is off: the field
+# is left out of the line (a pass rate is never negative)
 
 REQUIRED = ("step", "prompt_id", "completion", "rewards", "total")  # what every trace line holds: a line without
 # one is another file's (a run's metrics.jsonl, say), never read as a trace (the audit, rescore, replay)
@@ -207,15 +216,33 @@ def step_metrics(records: list[TraceRecord], names: list[str], accuracy_componen
     return m
 
 
-def reward_failures(records: list[TraceRecord], names: list[str]) -> list[str]:
-    """One line per component that failed on every completion of the step, with its first error."""
-    lines = []
+def reward_gaps(rewards: list[dict[str, dict]], names: list[str], where: str, only_all: bool = False) -> list[str]:
+    """The one rule every command that scores says its rewards' gaps by: one line per component that failed or
+    gave no value (None) on some completion of `rewards` (each completion's {name: {raw, error, ...}}), with
+    the counts and the first error; `only_all`: only a component that had no value on any of them (training
+    says that each step; the counts of a partial gap are in its metrics).
+
+    >>> rows = [{"f": {"raw": None, "error": "boom"}, "g": {"raw": None, "error": None}}] * 3
+    >>> reward_gaps(rows, ["f", "g"], "held-out completions")
+    ["reward 'f' failed on 3 of 3 held-out completions (first error: boom)", "reward 'g' gave no value (None) for 3 of 3 held-out completions"]
+    """
+    lines, n = [], len(rewards)
     for name in names:
-        errors = [r.rewards[name]["error"] for r in records]
-        if records and all(e is not None for e in errors):
-            lines.append(f"reward {name!r} failed on all {len(records)} completions of step {records[0].step}: "
-                         f"{errors[0]}")
+        errors = [r[name]["error"] for r in rewards if name in r and r[name].get("error") is not None]
+        empty = sum(1 for r in rewards if name in r and r[name].get("raw") is None and r[name].get("error") is None)
+        if not (errors or empty) or (only_all and len(errors) + empty < n):
+            continue
+        parts = ([f"failed on {len(errors)}"] if errors else []) + ([f"gave no value (None) for {empty}"] if empty else [])
+        first = f" (first error: {errors[0]})" if errors else ""
+        lines.append(f"reward {name!r} {' and '.join(parts)} of {n} {where}{first}")
     return lines
+
+
+def reward_failures(records: list[TraceRecord], names: list[str]) -> list[str]:
+    """One line per component that had no value on any completion of the step (failed, or gave None), with
+    its first error."""
+    return reward_gaps([r.rewards for r in records], names, f"completions of step {records[0].step}",
+                       only_all=True) if records else []
 
 
 class RewardWatch:

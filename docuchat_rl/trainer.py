@@ -58,6 +58,17 @@ __all__ = ["MEASURED", "Trainer", "TrainingError", "Timer"]
 MEASURED = ("time/", "memory/", "rollout_tokens_per_s", "rollout_sampler_s")
 
 
+def no_group_error(cfg: Config) -> TrainingError:
+    """Why a step has no group to train on, in one line."""
+    resets = "rollout.environment_factory's reset raised for every prompt (the warnings above say why)"
+    if not cfg.rollout.dynamic_sampling:
+        return TrainingError(f"no group of the step is left to train on: {resets}")
+    band = " and a pass rate inside data.difficulty's band" if cfg.data.difficulty is not None else ""
+    return TrainingError(f"dynamic sampling found no group with varied rewards{band} in "
+                         f"{cfg.rollout.max_resample_rounds + 1} rounds" + (f", or {resets}" if cfg.rollout.multi_turn
+                                                                             else ""))
+
+
 class Trainer:
     """The loop over a started run (run.Run): `train()` runs the steps, `evaluate()` the held-out set.
 
@@ -79,30 +90,17 @@ class Trainer:
                                    self.run.state.no_reward_streak)
         self.progress = Progress(self.cfg.run.steps)  # (train() shows a bar or lines; this one only says)
         self.on_phase = on_phase or (lambda name: None)
+        self.on_step: Callable[[dict], bool] | None = None  # after each step: True stops the run there (the API)
+        self.on_checkpoint: Callable[[int], None] | None = None  # after each checkpoint is written (the API)
         self._held_out: list[Example] | None = held_out  # (None: data.test's first eval.limit rows, when asked)
         self._also = also_sets(self.cfg) if self.cfg.eval.also else {}  # (loaded now: a bad path fails before step 1)
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
         self.step_log = StepLog(self.run, self.rewards, lambda: self.progress)
 
-    @property
-    def total_steps(self) -> int:
-        """The run's steps (run.steps)."""
-        return self.cfg.run.steps
-
-    @property
-    def policy_model(self):
-        """The peft model being trained (the policy's adapter active)."""
-        return self.learner.model
-
-    @property
-    def tokenizer(self):
-        """The run's tokenizer."""
-        return self.run.tokenizer
-
-    @property
-    def out_dir(self) -> Path:
-        """The run folder."""
-        return self.run.out_dir
+    total_steps = property(lambda self: self.cfg.run.steps, doc="The run's steps (run.steps).")
+    policy_model = property(lambda self: self.learner.model, doc="The peft model being trained (its adapter active).")
+    tokenizer = property(lambda self: self.run.tokenizer, doc="The run's tokenizer.")
+    out_dir = property(lambda self: self.run.out_dir, doc="The run folder (a Path).")
 
     # ---------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollout:
@@ -119,17 +117,13 @@ class Trainer:
     def rewind(self, rng: RandomState, data: dict) -> None:
         """Put the random draws and the data position back to where a step began (it is sampled again)."""
         rng.restore()
-        self.collector.sampler = make_sampler(len(self.run.examples), self.cfg.run.seed, data, self.run.curriculum)
+        self.collector.sampler = make_sampler(len(self.run.examples), self.cfg.run.seed, data, self.run.curriculum,
+                                              self.cfg.data.difficulty)
 
     def prepare(self, rollout: Rollout) -> Batch:
         """This process's used groups as a batch on the training device (it may have none of them)."""
         if not rollout.groups_used:  # (without dynamic sampling only failed environment resets drop groups)
-            resets = "rollout.environment_factory's reset raised for every prompt (the warnings above say why)"
-            raise TrainingError("dynamic sampling found no group with varied rewards in "
-                                f"{self.cfg.rollout.max_resample_rounds + 1} rounds"
-                                + (f", or {resets}" if self.cfg.rollout.multi_turn else "")
-                                if self.cfg.rollout.dynamic_sampling
-                                else f"no group of the step is left to train on: {resets}")
+            raise no_group_error(self.cfg)
         return rollout.batch(self.run.tokenizer.pad_token_id,
                              self.cfg.algorithm.mask_truncated_completions).to(self.dist.device)
 
@@ -170,7 +164,10 @@ class Trainer:
             if run.lagged and self.is_main:
                 run.lagged.save(folder, step)
 
-        return save_checkpoint(run.out_dir, step, write_into, self.cfg.checkpoint.keep_last, self.dist)
+        folder = save_checkpoint(run.out_dir, step, write_into, self.cfg.checkpoint.keep_last, self.dist)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(step)
+        return folder
 
     def evaluate(self) -> dict:
         """Held-out evaluation, each process a share of the rows, the numbers over all of them on every
@@ -200,7 +197,7 @@ class Trainer:
                     self.progress.step(step, history[-1])
                     if self.preemption.requested():  # safe point: the step is finished
                         self._stop()
-                    if stop_after is not None and step >= stop_after:
+                    if (stop_after is not None and step >= stop_after) or self._asked_to_stop(history[-1]):
                         break
         finally:
             self.progress.close()
@@ -221,7 +218,7 @@ class Trainer:
         self.on_phase("update")
         extra.update(self.update(batch, timer, rollout.global_groups))
         extra.update(self.policy.updated(step))  # (a fixed lag keeps the new version; its worker gets it)
-        if self.cfg.eval.every and self.cfg.data.test and step % self.cfg.eval.every == 0:
+        if self.cfg.eval.every and (self.cfg.data.test or self._held_out) and step % self.cfg.eval.every == 0:
             self.on_phase("eval")
             result = self.evaluate()  # (on every process: each evaluates a share of the rows)
             minutes = round(self.seconds() / 60, 3)
@@ -238,6 +235,14 @@ class Trainer:
             self.checkpoint(step)
         self.on_phase("idle")
         return m
+
+    def _asked_to_stop(self, m: dict) -> bool:
+        """`on_step(m)` (the Python API's callbacks) asked to stop after this step: then it is checkpointed."""
+        if self.on_step is None or not self.on_step(m) or self.step >= self.cfg.run.steps:
+            return False
+        if latest_step(self.run.out_dir) != self.step:
+            self.checkpoint(self.step)
+        return True
 
     def _stop(self) -> None:
         """Checkpoint the last finished step if `latest` is older, and raise Preempted."""

@@ -1,5 +1,6 @@
 """The workflow around a run's steps that the CLI and the Python API share: the held-out evaluation before and
-after training, written into the run folder's eval.json as soon as each is known.
+after training, written into the run folder's eval.json as soon as each is known, and the change between them
+(each accuracy's difference with its 95% interval: evaluation.compare) once both are.
 
 Deliberately left out: the messages (the CLI prints its own lines; the API returns the numbers).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .evaluation import compare
 from .outputs import add_to_report
 
 
@@ -21,5 +23,7 @@ def evaluation(trainer, out: Path, when: str) -> dict:
     else:
         result = trainer.evaluate()
     if trainer.is_main:
-        add_to_report(Path(out) / "eval.json", when, result)
+        report = add_to_report(Path(out) / "eval.json", when, result)
+        if when == "after" and isinstance(report.get("before"), dict):  # (the change, with its 95% intervals)
+            add_to_report(Path(out) / "eval.json", "change", compare(result, report["before"]))
     return result

@@ -21,6 +21,10 @@ import inspect
 import sys
 import threading
 from concurrent.futures import Future
+from collections import ChainMap
+from collections.abc import Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -234,7 +238,26 @@ def registered() -> list[str]:
 
 
 _FILE_MODULES: dict[Path, Any] = {}  # reward files loaded by path
-_OBJECTS: dict[str, Callable] = {}  # reward functions handed over as Python objects (the Python API), by name
+_OBJECTS: dict[str, Callable] = {}  # reward functions handed over as Python objects (add_function), by name
+_OWN: ContextVar[Mapping[str, Callable]] = ContextVar("reward_objects", default={})  # the objects of the trainer
+# whose reward is being built now (`own_objects`): looked up before the process-wide ones
+
+
+@contextmanager
+def own_objects(objects: dict[str, Callable]):
+    """Within the block, reward names resolve to `objects` first: the Python API's trainer builds its rewards
+    (training's and every evaluation's) from the objects it was given, whatever another trainer in the same
+    process names alike.
+
+    >>> with own_objects({"short": lambda completions, **kw: [len(c) for c in completions]}):
+    ...     resolve_reward("short")(["abc"])
+    [3]
+    """
+    token = _OWN.set(ChainMap(objects, _OWN.get()))  # (a live view: objects added inside the block count)
+    try:
+        yield
+    finally:
+        _OWN.reset(token)
 
 
 def add_function(name: str, fn: Callable) -> None:
@@ -245,11 +268,16 @@ def add_function(name: str, fn: Callable) -> None:
     >>> resolve_reward("short")(["ab"])
     [-2]
     """
+    check_function(name, fn)
+    _OBJECTS[name] = fn
+
+
+def check_function(name: str, fn: Callable) -> None:
+    """A reward object may take `name`: callable, and not a registered reward's name."""
     if name in _REGISTRY:
         raise RewardError(f"reward name {name!r} is a registered reward's; give the function another name")
     if not callable(fn):
         raise RewardError(f"reward {name!r} is not callable")
-    _OBJECTS[name] = fn
 
 
 def is_object(name: str) -> bool:
@@ -281,6 +309,8 @@ def resolve_reward(name: str) -> type[Reward] | Callable:
     """A registered reward class, or the object behind a dotted path `package.module:attribute`."""
     if name in _REGISTRY:
         return _REGISTRY[name]
+    if name in _OWN.get():
+        return _OWN.get()[name]
     if name in _OBJECTS:
         return _OBJECTS[name]
     if ":" in name:

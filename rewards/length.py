@@ -2,7 +2,9 @@
 soft overlong punishment (arXiv 2503.14476).
 
 Lengths are in tokens from the `completion_tokens` column (our trainer passes it) or TRL's
-`completion_ids`; `unit: chars` uses characters instead, for callers that have no token counts.
+`completion_ids`; `unit: chars` uses characters instead, for callers that have no token counts. Either unit
+means what the model wrote: in a multi-turn completion, every assistant turn and no tool result (tokens: the
+`model_tokens` column; characters: the assistant messages' text).
 
 Deliberately left out: Kimi 1.5's group-relative length reward (it needs the whole group at once).
 """
@@ -12,14 +14,30 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .base import Reward, RewardError, Score, register
+from .base import Reward, RewardError, Score, register, text_of
 from .correctness import Correctness
 
 
+def own_chars(completion: Any) -> int:
+    """The characters the model wrote: a text's, or a conversation's assistant messages' (tool results out).
+
+    >>> own_chars([{"role": "assistant", "content": "<tool_call>x</tool_call>"}, {"role": "tool", "content": "4" * 50},
+    ...            {"role": "assistant", "content": "#### 4"}])
+    30
+    """
+    if isinstance(completion, list):
+        return sum(len(str(m.get("content", ""))) for m in completion if isinstance(m, dict)
+                   and m.get("role") == "assistant")
+    return len(text_of(completion))
+
+
 def completion_length(completion: str, row: dict[str, Any], unit: str) -> int:
-    """A completion's length in characters or tokens (the trainer's count when it is given)."""
+    """A completion's length in characters or tokens (the trainer's count when it is given), of what the model
+    wrote (a multi-turn completion's tool results out)."""
     if unit == "chars":
-        return len(completion)
+        return int(row["own_chars"]) if row.get("own_chars") is not None else len(completion)
+    if row.get("model_tokens") is not None:
+        return int(row["model_tokens"])
     if row.get("completion_tokens") is not None:
         return int(row["completion_tokens"])
     if row.get("completion_ids") is not None:
@@ -59,6 +77,11 @@ class Length(Reward):
         self.shape, self.max_len, self.cache, self.unit = shape, int(max_len), int(cache), unit
         self.values = (min_correct, max_correct, min_wrong, max_wrong)
         self.correct = Correctness(**(correctness or {})) if shape == "cosine" else None
+
+    def explain(self, prompts: list, completions: list, **columns: Any) -> list[Score]:
+        if self.unit == "chars":  # (the whole conversation's own text: the base class hands score its last message)
+            columns = {**columns, "own_chars": [own_chars(c) for c in completions]}
+        return super().explain(prompts, completions, **columns)
 
     def score(self, prompt: str, completion: str, row: dict[str, Any]) -> Score:
         n = completion_length(completion, row, self.unit)

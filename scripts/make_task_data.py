@@ -4,11 +4,27 @@
     python scripts/make_task_data.py --ops 1 1 --out data/task_1op     # one operation per problem
     python scripts/make_task_data.py --ops 1 4 --exclude data/task/test.jsonl --out data/task_1to4  # a curriculum's
     python scripts/make_task_data.py --ops 1 1 --wording varied --out data/task_1op_varied  # many phrasings
-    python scripts/make_task_data.py --ops 1 1 --wording unseen --train 0 --out data/task_1op_unseen  # held out only
+    python scripts/make_task_data.py --ops 1 1 --wording unseen_v1 --train 0 --out data/task_1op_unseen  # held out only
+    # transfer (docs/generalization.md): held-out sets in another wording and with longer chains
+    python scripts/make_task_data.py --wording unseen --train 0 --out data/task_unseen
+    python scripts/make_task_data.py --ops 5 6 --train 0 --out data/task_5to6
+    python scripts/make_task_data.py --ops 5 6 --wording unseen --train 0 --out data/task_5to6_unseen
+    # RL's rows after SFT: final answers only, many wordings, 2-6 operations, no held-out or SFT question
+    python scripts/make_task_data.py --ops 2 6 --wording varied --answer-only --out data/task_answers_varied \
+        --exclude data/task/train.jsonl data/task/test.jsonl data/task_unseen/test.jsonl \
+        data/task_5to6/test.jsonl data/task_5to6_unseen/test.jsonl
+    # the same with more constructs (comparisons, fractions and multipliers in words, two sentence orders), no
+    # form of them an unseen one
+    python scripts/make_task_data.py --ops 2 6 --wording diverse --answer-only --out data/task_answers_diverse \
+        --exclude data/task/train.jsonl data/task/test.jsonl data/task_unseen/test.jsonl \
+        data/task_5to6/test.jsonl data/task_5to6_unseen/test.jsonl
 
 `--wording` picks the pools a row's words are drawn from (docuchat_rl.synthetic.WORDINGS): plain (the
-embedded default's), varied (many per row), unseen (disjoint from both: a held-out set in a wording no
-training set has). A split of 0 rows is not written.
+embedded default's), varied (many per row), unseen (disjoint from both, several sentence forms per operation
+and three sentence orders: a held-out set in a wording no training set has; unseen_v1 is its first, smaller
+version). `--answer-only` writes each answer as its final `#### N` line only. Questions are compared as
+`synthetic.normalized` text (case, spacing and punctuation aside) within a split and against `--exclude`.
+A split of 0 rows is not written.
 """
 
 import argparse
@@ -30,11 +46,15 @@ def main() -> None:
                     help="JSONL files whose questions neither split may hold (another task's held-out rows)")
     ap.add_argument("--wording", choices=sorted(WORDINGS), default="plain",
                     help="the pools the rows' words are drawn from (default: plain, the embedded default's)")
+    ap.add_argument("--answer-only", action="store_true",
+                    help="answers are the final '#### N' line only (no worked solution)")
     a = ap.parse_args()
     exclude = {json.loads(line)["question"] for f in a.exclude for line in f.read_text().splitlines() if line.strip()}
-    splits = make_task(a.seed, a.train, a.test, ops=tuple(a.ops), exclude=exclude, wording=a.wording)
+    splits = make_task(a.seed, a.train, a.test, ops=tuple(a.ops), exclude=exclude, wording=a.wording,
+                       answer_only=a.answer_only)
     meta = {"seed": a.seed, "generator": "docuchat_rl.synthetic.make_task", "ops": list(a.ops),
             **({"wording": a.wording} if a.wording != "plain" else {}),
+            **({"answer_only": True} if a.answer_only else {}),
             **({"exclude": [str(f) for f in a.exclude]} if a.exclude else {})}
     for name, problems in splits.items():
         if not problems:

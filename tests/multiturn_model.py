@@ -47,6 +47,8 @@ def teach_tool_calls(out: Path, steps: int = 150) -> Path:
         labels = torch.tensor([[-100] * len(p) + c + [-100] * len(suffix) + answer])
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
+        # clipped: unclipped, a few large early steps leave the model writing garbage on some CPUs (AVX2)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
     model.eval()

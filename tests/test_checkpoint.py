@@ -120,3 +120,76 @@ def test_a_curriculum_set_or_dropped_on_resume_is_refused_and_cuda_graphs_applie
     graphs = load_config(ROOT / "config/default.yaml", ["rollout.cuda_graphs=true"]).to_dict()
     assert check_resumable(tmp_path, graphs) == ["rollout.cuda_graphs: False -> True"]
     assert check_resumable(tmp_path, eager) == []
+
+
+@pytest.mark.parametrize("option", [None, {"use_rslora": True}, {"alpha_pattern": {"q_proj": 64}},
+                                    {"use_dora": True}], ids=["plain", "rslora", "alpha_pattern", "dora"])
+def test_a_plain_peft_start_adapter_starts_where_peft_loads_it_or_is_refused_naming_its_scale_option(tmp_path, option):
+    """lora.init_from with a plain peft adapter: one trained at alpha / r starts at the very policy peft's own
+    loader gives (the same logits); one whose adapter_config.json changes the scale or form (rsLoRA, an alpha
+    pattern, DoRA) is one line naming the option, never a silent start at another scale."""
+    import torch
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel, get_peft_model
+
+    from docuchat_rl.checkpoint import load_start_adapter
+    from docuchat_rl.config import LoraConfig
+    from docuchat_rl.modeling import build_lora, load_model_and_tokenizer
+
+    from .conftest import MODEL
+
+    base, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
+    trained = get_peft_model(base, PeftLoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                  task_type="CAUSAL_LM", **(option or {})))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_" in name:
+                p.normal_(0, 0.2)
+    folder = tmp_path / "adapter"
+    trained.save_pretrained(folder)
+    ours = build_lora(load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")[0],
+                      LoraConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"]))
+    if option is not None:
+        with pytest.raises(CheckpointError, match=f"sets {next(iter(option))}: "):
+            load_start_adapter(ours, folder, LoraConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"]),
+                               str(MODEL))
+        return
+    load_start_adapter(ours, folder, LoraConfig(r=8, alpha=16, target_modules=["q_proj", "v_proj"]), str(MODEL))
+    loaded = PeftModel.from_pretrained(load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")[0],
+                                       str(folder))
+    ids = tok(["Ava has 3 apples. How many?"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(ours.eval()(input_ids=ids).logits, loaded.eval()(input_ids=ids).logits, atol=1e-5)
+        fresh = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")[0]
+        assert not torch.allclose(ours(input_ids=ids).logits, fresh(input_ids=ids).logits, atol=1e-3)  # (it moved)
+
+
+def test_a_folder_never_sealed_is_no_checkpoint_wherever_it_is_named(tmp_path):
+    """A checkpoint whose write never finished (no manifest: killed before its seal, or the .tmp folder itself)
+    is refused as --adapter, as lora.init_from and as --resume, in one line; a plain peft folder (no trainer
+    state, no manifest) is still an adapter."""
+    import shutil
+
+    from docuchat_rl.checkpoint import resolve_adapter
+
+    from .conftest import train_here
+
+    run = tmp_path / "run"
+    train_here(None, [f"run.output_dir={run}", "run.steps=1", "eval.before_and_after=false",
+                      "logging.progress=false", "rollout.prompts_per_step=2", "rollout.max_new_tokens=8"])
+    sealed = run / "checkpoint-1"
+    for name in ("checkpoint-1.tmp", "cut"):
+        unsealed = tmp_path / name
+        shutil.copytree(sealed, unsealed)
+        (unsealed / "manifest.json").unlink()
+        for key in ("--adapter", "lora.init_from"):
+            with pytest.raises(CheckpointError, match=f"{key} .*never sealed"):
+                resolve_adapter(unsealed, key)
+        with pytest.raises(CheckpointError, match="manifest.json is missing"):
+            resolve_resume(str(unsealed), tmp_path)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(sealed / f, plain / f)
+    assert resolve_adapter(plain) == plain

@@ -41,7 +41,7 @@ def test_eval_prints_json_and_writes_file(tmp_path, capsys):
     result = json.loads(out.read_text())
     for key in ("accuracy", "pass@2", "format_rate", "correctness/mean", "completion_len/mean"):
         assert key in result
-    assert result["rows"] == 16 and 0 <= result["mean@2"] <= result["pass@2"] <= 1  # pass@k >= mean@k
+    assert result["rows"] == 16 and 0 <= result["pass@1"] <= result["pass@2"] <= 1  # pass@k >= pass@1
 
 
 def test_run_errors_are_one_line_and_exit_2(tmp_path, capsys):
@@ -344,3 +344,30 @@ def test_version_is_the_installed_packages(capsys):
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"docuchat-rl {version('docuchat-rl')}"
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_every_command_that_scores_names_a_reward_that_failed_or_gave_no_value(tmp_path):
+    """train (its steps and its evaluations), eval, rescore and generate --score: a component with no value (None
+    on every completion) and one that fails are each named in one warning line with their counts."""
+    import subprocess
+
+    rewards = "rewards=[{name: correctness}, {name: 'tests.user_rewards:always_none'}, {name: 'tests.user_rewards:raises'}]"
+    sets = ["--set", rewards, "--set", "eval.limit=4", "--set", "eval.max_new_tokens=8", "--set", "run.steps=1",
+            "--set", "rollout.max_new_tokens=8", "--set", f"run.output_dir={tmp_path / 'r'}", "--set",
+            "logging.progress=false"]
+
+    def run(*args):
+        done = subprocess.run([sys.executable, "-m", "docuchat_rl", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-1500:]
+        return done.stderr
+
+    said = run("train", *sets)
+    assert "reward 'tests.user_rewards:always_none' gave no value (None) for 64 of 64 completions of step 1" in said
+    assert "reward 'tests.user_rewards:raises' failed on 4 of 4 held-out completions (first error: RuntimeError: boom)" in said
+    said = run("eval", *sets)
+    assert "reward 'tests.user_rewards:always_none' gave no value (None) for 4 of 4 held-out completions" in said
+    said = run("rescore", str(tmp_path / "r"), "--set", rewards)
+    assert "gave no value (None) for 64 of 64 rescored completions" in said and "failed on 64 of 64" in said
+    said = run("generate", "--held-out", "2", "--score", *sets)
+    assert "reward 'tests.user_rewards:always_none' gave no value (None) for 2 of 2 completions" in said

@@ -279,3 +279,139 @@ def test_an_answer_column_without_a_value_in_any_row_is_refused(tmp_path, answer
     else:
         rows = load_examples(str(path), "train", "question", "answer")
         assert [r.answer for r in rows] == [("4" if a == "#### 4" else (a or "").strip()) for a in answers]
+
+
+# ------------------------------------------------------------------------------------- difficulty filtering
+
+def _sampler(n=40, **conf):
+    from docuchat_rl.config import DifficultyConfig
+    from docuchat_rl.data import DifficultySampler
+
+    return DifficultySampler(n, 0, DifficultyConfig(**conf))
+
+
+def test_a_prompt_always_right_or_always_wrong_leaves_the_band_and_rests_until_its_revisit():
+    """Mastered (rate >= high) and out of reach (rate <= low) prompts are not drawn again before revisit_after
+    steps since their last draw; then they are, and measured anew. A prompt sometimes right stays in the band
+    and comes back after replay_after steps."""
+    from docuchat_rl.data import BAND, MASTERED, OUT_OF_REACH
+
+    s = _sampler(n=40, replay=0.5, replay_after=2, revisit_after=6)
+    first = s.take(4, step=1)
+    s.observe(1, first, [1.0, 0.0, 0.5, 0.25])  # mastered, out of reach, band, band
+    assert [s.prompts[i]["standing"] for i in first] == [MASTERED, OUT_OF_REACH, BAND, BAND]
+    rate = {first[0]: 1.0, first[1]: 0.0, first[2]: 0.5, first[3]: 0.5}  # (every other prompt: never right)
+    drawn = {}
+    for step in range(2, 12):
+        drawn[step] = s.take(4, step=step)
+        s.observe(step, drawn[step], [rate.get(i, 0.0) for i in drawn[step]])
+    assert all(first[0] not in drawn[t] and first[1] not in drawn[t] for t in range(2, 7))  # resting
+    assert any(first[0] in drawn[t] for t in range(7, 12)) and any(first[1] in drawn[t] for t in range(7, 12))
+    assert first[2] in drawn[3] and first[3] in drawn[3] and first[2] not in drawn[2]  # replayed after 2 steps
+    assert s.metrics()["difficulty/known"] == len(s.prompts)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rates=st.lists(st.lists(st.sampled_from([0.0, 0.125, 0.5, 0.875, 1.0, None]), min_size=3, max_size=3),
+                      min_size=2, max_size=12),
+       replay=st.sampled_from([0.0, 0.34, 1.0]), cut=st.integers(1, 11))
+def test_a_sampler_rebuilt_from_its_state_draws_what_the_uninterrupted_one_draws(rates, replay, cut):
+    """Any sequence of group pass rates: the sampler made from `state()` after step `cut` (what a checkpoint
+    holds) draws the same prompts and records the same rates as the one that went on."""
+    from docuchat_rl.config import DifficultyConfig
+    from docuchat_rl.data import make_sampler
+
+    conf = DifficultyConfig(replay=replay, replay_after=1, revisit_after=3)
+    a = make_sampler(7, 5, {}, None, conf)
+    b = None
+    for step, step_rates in enumerate(rates, 1):
+        got = a.take(3, step)
+        a.observe(step, got, step_rates)
+        if b is not None:
+            assert b.take(3, step) == got
+            b.observe(step, got, step_rates)
+            assert b.state() == a.state()
+        if step == cut:
+            b = make_sampler(7, 5, json.loads(json.dumps(a.state())), None, conf)  # (through JSON, as saved)
+
+
+def test_without_difficulty_the_data_order_is_the_plain_one():
+    from docuchat_rl.data import PromptSampler, make_sampler
+
+    plain, made = PromptSampler(30, 3), make_sampler(30, 3, {})
+    assert type(made) is PromptSampler and [made.take(4, s) for s in range(1, 20)] == [plain.take(4) for _ in range(19)]
+    # a checkpoint written with data.difficulty resumes without it from the same position
+    with_state = make_sampler(30, 3, {"epoch": 1, "position": 7, "difficulty": {"3": {"rate": 1.0}}})
+    assert with_state.state() == {"epoch": 1, "position": 7}
+
+
+@pytest.mark.slow
+def test_difficulty_state_and_draws_survive_kill_9_and_resume(tmp_path):
+    """A run with data.difficulty and dynamic sampling, killed (-9) after a checkpoint and resumed: every step's
+    prompts, their traced pass rates and the final pass-rate table equal the uninterrupted run's; groups out of
+    the band are dropped; a run without it writes no prompt_pass_rate."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from docuchat_rl.outputs import read_jsonl
+
+    from .conftest import ROOT
+
+    def sets(out):
+        return [a for s in ("eval.before_and_after=false", "logging.progress=false", "run.threads=1",
+                            f"run.output_dir={out}", "run.steps=8", "checkpoint.every=1", "rollout.dynamic_sampling=true",
+                            "data.difficulty={replay: 0.5, replay_after: 2, revisit_after: 3}") for a in ("--set", s)]
+
+    cmd = [sys.executable, "-m", "docuchat_rl", "train"]
+    whole = subprocess.run(cmd + sets(tmp_path / "whole"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-1500:]
+    out = tmp_path / "cut"
+    proc = subprocess.Popen(cmd + sets(out), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "checkpoint-4").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(cmd + sets(out) + ["--resume", "latest"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-1500:]
+
+    def drawn(run):
+        return [(r["step"], r["slot"], r["prompt_id"], r["prompt_pass_rate"], r["used"], r["total"])
+                for r in read_jsonl(run / "traces.jsonl")]
+
+    a, b = drawn(tmp_path / "whole"), drawn(out)
+    assert a == b
+    assert any(rate is not None for _, _, _, rate, _, _ in a)  # (replays: prompts drawn with a known pass rate)
+    final = [json.loads((run / "checkpoint-8" / "trainer_state.json").read_text())["sampler"]
+             for run in (tmp_path / "whole", out)]
+    assert final[0] == final[1] and final[0]["difficulty"]
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert all("difficulty/band_share" in m for m in metrics)
+    plain = tmp_path / "plain"
+    assert subprocess.run(cmd + sets(plain)[:-4] + ["--set", "run.steps=1"], cwd=ROOT, capture_output=True,
+                          timeout=600).returncode == 0
+    assert all("prompt_pass_rate" not in r for r in read_jsonl(plain / "traces.jsonl"))
+
+
+@pytest.mark.parametrize("value", [["4"], {"n": 4}, True], ids=["list", "dict", "bool"])
+def test_an_answer_of_the_wrong_type_is_one_line_naming_its_row_and_column(tmp_path, value):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"question": "Q1", "answer": "#### 1"}) + "\n" + json.dumps({"question": "Q2", "answer": value}) + "\n")
+    with pytest.raises(DataError, match=r"row 1 column 'answer' \(data.answer_column\) holds"):
+        load_examples(str(f), "train", "question", "answer")
+
+
+@pytest.mark.parametrize("text,said", [("\n\n  \n", "data file is empty"), ('{"question": "Q"}\n{"quest', "line 2 is not JSON"),
+                                       ("[1, 2]\n", "line 1 holds a JSON list, not an object")])
+def test_a_jsonl_file_that_is_empty_torn_or_not_rows_is_one_line_naming_the_key_and_line(tmp_path, text, said):
+    from docuchat_rl.config import load_config
+    from docuchat_rl.data import load_split
+
+    f = tmp_path / "d.jsonl"
+    f.write_text(text)
+    with pytest.raises(DataError, match=f"data.test: .*{said}"):
+        load_split(load_config(None, [f"data.test={f}"]).data, "test")

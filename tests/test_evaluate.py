@@ -50,7 +50,7 @@ def test_pass_at_k_does_not_move_the_callers_random_stream(tiny):
     torch.manual_seed(123)
     out = evaluate(model, tok, cfg)
     assert torch.equal(torch.rand(3), expected)
-    assert 0.0 <= out["mean@4"] <= out["pass@4"] <= 1.0
+    assert 0.0 <= out["pass@1"] <= out["pass@4"] <= 1.0
 
 
 def test_an_extra_held_out_set_that_is_missing_or_lacks_its_column_fails_naming_it(tmp_path):
@@ -65,3 +65,55 @@ def test_an_extra_held_out_set_that_is_missing_or_lacks_its_column_fails_naming_
         also_sets(load_config(None, [f"eval.also={{unseen: {bad}}}"]))
     sets = also_sets(load_config(None, ["eval.limit=3", f"eval.also={{unseen: {ROOT}/data/task_1op_unseen/test.jsonl}}"]))
     assert list(sets) == ["unseen"] and len(sets["unseen"]) == 3
+
+
+def test_pass_at_1_pass_at_k_and_their_intervals_against_a_hand_computed_case():
+    """Three prompts, four samples each: 6 of 12 samples right (pass@1 0.5), two prompts with a right one (pass@4
+    2/3). Wilson's interval by hand: centre (p + z^2/2n) / (1 + z^2/n), half-width z sqrt(p(1-p)/n + z^2/4n^2)
+    / (1 + z^2/n), z 1.96, n 3 prompts: [0.1253, 0.8747] and [0.2077, 0.9385]. Newcombe's difference interval:
+    his published examples (56/70 - 48/80: 0.0524 to 0.3339; 9/10 - 3/10: 0.1705 to 0.8090)."""
+    import numpy as np
+
+    from docuchat_rl.evaluation import compare, difference, intervals, sampled
+
+    out = sampled(np.array([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=float))
+    assert out == {"pass@1": 0.5, "pass@4": pytest.approx(2 / 3)}
+    ci = intervals(out, 3)
+    assert ci["pass@1/ci95"] == pytest.approx([0.1253, 0.8747], abs=1e-4)
+    assert ci["pass@4/ci95"] == pytest.approx([0.2077, 0.9385], abs=1e-4)
+    assert difference(56 / 70, 70, 48 / 80, 80) == pytest.approx((0.2, 0.0524, 0.3339), abs=1e-4)
+    assert difference(9 / 10, 10, 3 / 10, 10) == pytest.approx((0.6, 0.1705, 0.8090), abs=1e-4)
+    change = compare({"rows": 70, "accuracy": 56 / 70, "unseen/rows": 10, "unseen/accuracy": 0.5},
+                     {"rows": 80, "accuracy": 48 / 80, "unseen/rows": 10, "unseen/accuracy": 0.4})
+    assert change["accuracy"]["beyond_noise"] and not change["unseen/accuracy"]["beyond_noise"]
+    assert change["accuracy"]["ci95"] == pytest.approx([0.0524, 0.3339], abs=1e-4)
+
+
+def test_every_set_reports_its_rows_and_intervals_and_eval_against_says_the_difference(tmp_path):
+    """eval with pass@k: each set (data.test and every eval.also set) has its n, greedy accuracy, pass@1 at the
+    rollout's temperature and pass@k, each with a Wilson interval; --against an earlier evaluation gives each
+    number's difference with its interval."""
+    import subprocess
+    import sys
+
+    sets = ["--set", "eval.limit=8", "--set", "eval.pass_k=2", "--set", "eval.max_new_tokens=32",
+            "--set", "eval.also={unseen: data/task_unseen/test.jsonl}"]
+    first = tmp_path / "first.json"
+    run = subprocess.run([sys.executable, "-m", "docuchat_rl", "eval", *sets, "--out", str(first)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-1500:]
+    out = json.loads(first.read_text())
+    for prefix in ("", "unseen/"):
+        assert out[f"{prefix}rows"] == 8 and out[f"{prefix}sampled_temperature"] == 1.0
+        for key in ("accuracy", "pass@1", "pass@2"):
+            lo, hi = out[f"{prefix}{key}/ci95"]
+            assert 0.0 <= lo <= out[f"{prefix}{key}"] <= hi <= 1.0
+    again = subprocess.run([sys.executable, "-m", "docuchat_rl", "eval", *sets, "--against", str(first)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-1500:]
+    against = json.loads(again.stdout)["against"]
+    assert against["accuracy"]["difference"] == 0.0 and not against["accuracy"]["beyond_noise"]
+    assert set(against) >= {"accuracy", "pass@1", "pass@2", "unseen/accuracy", "unseen/pass@2"}
+    bad = subprocess.run([sys.executable, "-m", "docuchat_rl", "eval", *sets, "--against", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "--against" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -342,7 +342,10 @@ def test_a_checkpoint_written_before_the_grouped_decode_fix_still_loads(run, tmp
     saved = json.loads((old / "run_config.json").read_text())
     saved["config"]["rollout"].update(engine="hf", grouped_decode=True)
     (old / "run_config.json").write_text(json.dumps(saved))
-    (old / "manifest.json").unlink()  # (edited by hand: no manifest to match)
+    from docuchat_rl.checkpoint import _seal
+
+    (old / "manifest.json").unlink()
+    _seal(old)  # (a checkpoint of that time, sealed as it was written: the manifest of the files as they are)
     assert main(["generate", "--adapter", str(old), "--prompt", "What is 2 + 2?", "--max-new-tokens", "4",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["completion_tokens"] <= 4

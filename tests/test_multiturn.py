@@ -359,7 +359,7 @@ def test_evaluation_runs_the_tool_loop_and_reports_tool_use(taught):
     out = evaluate(model, tok, cfg)
     assert out["rows"] == 8 and out["tool_call_rate"] > 0 and 0 <= out["tool_call_ok_frac"] <= 1
     assert out["tool_calls/mean"] >= out["tool_call_rate"]
-    assert 0 <= out["mean@2"] <= out["pass@2"] <= 1
+    assert 0 <= out["pass@1"] <= out["pass@2"] <= 1
     again = evaluate(model, tok, cfg)  # pass@k's conversations come from their own seeds: the same numbers
     assert {k: v for k, v in again.items() if k != "seconds"} == {k: v for k, v in out.items() if k != "seconds"}
 
@@ -595,3 +595,53 @@ def test_an_interrupt_while_a_tool_hangs_stops_at_once_and_is_not_the_tools_erro
     finally:
         signal.signal(signal.SIGINT, inherited)
     assert time.perf_counter() - t0 < 5 and call.error is None
+
+
+@pytest.mark.parametrize("unit", ["tokens", "chars"])
+def test_the_length_reward_measures_what_the_model_wrote_in_either_unit(unit):
+    """A multi-turn completion: the length reward counts the model's own turns, never the tool's result, in
+    tokens (model_tokens, from the model mask) as in characters (the assistant messages): a longer tool result
+    changes neither."""
+    from docuchat_rl.data import Example
+    from docuchat_rl.sampling.generation import Generation
+    from docuchat_rl.sampling.scoring import build_reward, score
+    from docuchat_rl.config import RewardsConfig
+
+    reward = build_reward(RewardsConfig.model_validate(
+        {"components": [{"name": "length", "params": {"shape": "overlong", "max_len": 1000, "cache": 1000,
+                                                      "unit": unit}}]}))
+    lengths = []
+    for result in ("7", "7" * 300):
+        call, answer = "<tool_call>{\"name\": \"calculate\"}</tool_call>", "#### 7"
+        model, tool = [5] * 12, [9] * (4 + len(result))  # (12 model tokens, the result's tokens between)
+        gen = Generation([[1]], [model[:8] + tool + model[8:]], [False], [[0.0] * (len(model) + len(tool))])
+        gen.model_mask = [[1] * 8 + [0] * len(tool) + [1] * 4]
+        gen.conversations = [[{"role": "assistant", "content": call}, {"role": "tool", "content": result},
+                              {"role": "assistant", "content": answer}]]
+        rec = score(reward, [Example(0, "Q", "7")], [answer], gen).records[0]
+        lengths.append(rec.components["length"].info["length"])
+    assert lengths[0] == lengths[1] == (12 if unit == "tokens" else len(call) + len(answer))
+
+
+def test_tool_and_environment_settings_that_cannot_take_effect_are_one_line(tmp_path):
+    """A tool name two sources give (a function and an environment's method), a template protocol the model's
+    chat template cannot show, and a reset that returns other than text or None: each one line naming it."""
+    from docuchat_rl.modeling import load_model_and_tokenizer
+    from docuchat_rl.sampling.multiturn import multiturn_from_config, reset_environments
+
+    from docuchat_rl.errors import ToolError
+
+    _, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
+    both = cfg_for(tmp_path, "rollout.tools=[docuchat_rl.toolbox.calculate]",
+                   "rollout.environment_factory=tests.tool_envs.CalculatorToo",
+                   "rewards=[{name: correctness}, {name: environment}]")
+    with pytest.raises(ToolError, match="both give a tool named 'calculate'"):
+        multiturn_from_config(both, tok)
+    template = cfg_for(tmp_path, "rollout.tools=[docuchat_rl.toolbox.calculate]", "rollout.tool_protocol=template")
+    with pytest.raises(ToolError, match="rollout.tool_protocol template: this model's chat template does not use"):
+        multiturn_from_config(template, tok)  # (the embedded model's template renders no tools)
+    from .tool_envs import DictStart
+
+    with pytest.warns(UserWarning, match="returned dict, not text or None: its group is dropped"):
+        _, observations, failed = reset_environments(DictStart, [{"question": "Q", "prompt_id": 4}] * 2, 2)
+    assert observations == [None, None] and failed == {0: "reset returned dict, not text or None"}

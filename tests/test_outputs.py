@@ -59,9 +59,11 @@ def test_read_back_skips_torn_wrongly_typed_and_non_utf8_lines(tmp_path):
     path = tmp_path / "eval.jsonl"
     path.write_bytes(b'{"step": 1, "accuracy": 0.5}\n[1, 2]\n7\n"text"\n{"step": "two"}\n{"step": 3, "accur\xe9'
                      b'acy": 0.7}\n{"step": 4, "accuracy": 0.75}\n{"step": 5, "acc')
-    assert read_jsonl(path) == [{"step": 1, "accuracy": 0.5}, {"step": "two"}, {"step": 3, "accur\ufffdacy": 0.7},
-                                {"step": 4, "accuracy": 0.75}]
-    assert [r["step"] for r in eval_records([tmp_path])] == [1, 3, 4]  # (a step that is not a number: left out)
+    skipped, why = [], {}
+    assert read_jsonl(path, skipped, why) == [{"step": 1, "accuracy": 0.5}, {"step": "two"},
+                                              {"step": 4, "accuracy": 0.75}]  # (never read with U+FFFD)
+    assert skipped == [2, 3, 4, 6, 8] and why[6] == "not UTF-8 text" and why[2] == "not a JSON object"
+    assert [r["step"] for r in eval_records([tmp_path])] == [1, 4]  # (a step that is not a number: left out)
     ckpt = tmp_path / "checkpoint-4"
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text('{"step": 4')  # torn

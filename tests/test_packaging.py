@@ -30,6 +30,7 @@ def test_the_wheel_carries_the_recipes_and_the_embedded_default_and_runs_from_an
     import subprocess
     import sys
     import zipfile
+    from pathlib import Path
 
     import shutil
 
@@ -51,6 +52,12 @@ def test_the_wheel_carries_the_recipes_and_the_embedded_default_and_runs_from_an
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     py = venv / "bin" / "python"
+    import sysconfig  # (run from a virtual environment, the new one's "system" is the base Python, without torch and
+    # the rest: this environment's packages are reached by a path file, whose folder's own .pth files, the
+    # checkout's editable install among them, are not read)
+    own = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    (Path(own) / "_the_tests_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     done = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-1500:]

@@ -194,6 +194,70 @@ def test_answers_as_written_and_through_each_template(tmp_path, tiny):
     assert texts["think_answer"].startswith("<think>") and texts["think_answer"].endswith("<answer>5</answer>")
 
 
+@pytest.mark.parametrize("stops,expected", [([0, 3], 3), ([3, 0], 3), ([0], 0)],
+                         ids=["end-of-text first", "end-of-turn first", "the template's token not a stop"])
+def test_targets_end_with_the_token_the_template_ends_an_assistant_turn_with(tmp_path, stops, expected):
+    """Llama-3.x-Instruct and Gemma-3-IT list end-of-text before the template's end-of-turn: a target ends with
+    the stop the template writes after an answer (here <|im_end|>, id 3), whatever the list's order; where the
+    template writes none of the stops, the first stop. The tool transcripts' turns and a JSONL row end alike."""
+    model, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
+    model.generation_config.eos_token_id = stops
+    tok.eos_token = "<|endoftext|>" if stops[0] == 0 else tok.eos_token  # (a tokenizer whose EOS is end-of-text)
+    targets = build_targets(sft_cfg(tmp_path, "sft.answer_template=steps"), tok, model)
+    assert {t.target_ids[-1] for t in targets} == {expected}
+    f = tmp_path / "sft.jsonl"
+    f.write_text(json.dumps({"prompt": "Bo has 3 figs. How many?", "completion": "#### 3"}) + "\n")
+    (row,) = build_targets(sft_cfg(tmp_path, "sft.source=jsonl", f"sft.path={f}"), tok, model)
+    assert row.target_ids[-1] == expected
+
+
+def test_answers_can_come_from_other_rows_than_rls_own(tmp_path, tiny):
+    """sft.path names the rows source answers learns (worked solutions), while data.train stays RL's rows
+    (final answers only); their prompts are rendered as RL renders any row."""
+    model, tok = tiny
+    rows = [json.loads(x) for x in (ROOT / "data/task/train.jsonl").read_text().splitlines()[:6]]
+    worked = tmp_path / "worked.jsonl"
+    worked.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = sft_cfg(tmp_path, f"sft.path={worked}", "sft.answer_template=steps",
+                  "data.train=data/task_answers_varied/train.jsonl")
+    targets = build_targets(cfg, tok, model)
+    assert [t.question for t in targets] == [r["question"] for r in rows]
+    assert tok.decode(targets[0].target_ids[:-1]) == "4 + 3 = 7\n7 - 2 = 5\n#### 5"
+    with pytest.raises(Exception, match="sft.path applies|no such file|not found"):
+        build_targets(sft_cfg(tmp_path, f"sft.path={tmp_path / 'nope.jsonl'}"), tok, model)
+
+
+def test_sft_prompts_hold_an_environments_observation_as_rl_samples_them(tmp_path, tiny):
+    """An environment whose reset returns an observation: each SFT prompt is, token for token, the prompt the RL
+    collector samples the row's group from (observation appended and cut as the tool loop does); a JSONL row,
+    whose prompt cannot hold it, is refused in one line, as is a reset that raises."""
+    from docuchat_rl.trainer import Trainer
+
+    model, tok = tiny
+    sets = ["rollout.tools=[docuchat_rl.toolbox.calculate]", "rollout.environment_factory=tests.tool_envs.Briefing",
+            "rollout.max_turns=3", "rollout.max_tool_calls=2", "rollout.max_new_tokens=160",
+            "data.train=data/task_1op/train.jsonl", "rollout.prompts_per_step=4",
+            "rewards=[{name: correctness}, {name: environment, weight: 0.1}]"]
+    cfg = sft_cfg(tmp_path, "run.steps=1", *sets, "sft.answer_template=steps")
+    targets = build_targets(cfg, tok, model)
+    trainer = Trainer(sft_cfg(tmp_path, "run.steps=1", *sets, "sft=null"))
+    try:
+        idx = [0, 5, 9, 17]
+        g = cfg.rollout.num_generations
+        gen, _ = trainer.collector.sample(trainer.learner.model, idx, list(range(len(idx) * g)), 0, 1)
+    finally:
+        trainer.close()
+    for p, i in enumerate(idx):
+        assert "Hint: the answer has" in tok.decode(targets[i].prompt_ids)
+        assert all(gen.prompt_ids[p * g + s] == targets[i].prompt_ids for s in range(g))
+    f = tmp_path / "sft.jsonl"
+    f.write_text(json.dumps({"prompt": "Bo has 3 figs. How many?", "completion": "#### 3"}) + "\n")
+    with pytest.raises(DataError, match="line 1: rollout.environment_factory's its reset returns an observation"):
+        build_targets(sft_cfg(tmp_path, *sets, "sft.source=jsonl", f"sft.path={f}"), tok, model)
+    with pytest.raises(DataError, match="reset raised for training row 0 .RuntimeError: the board"):
+        build_targets(sft_cfg(tmp_path, *sets, "rollout.environment_factory=tests.tool_envs.NeverResets"), tok, model)
+
+
 def test_tool_transcripts_are_the_rl_tool_loops_own_conversations(tmp_path, tiny):
     """One calculator call per <<a op b=c>> step, the tool's real result framed by the protocol (mask 0), then
     the final answer; the limits that would cut an RL conversation refuse a transcript, naming the key."""
@@ -254,6 +318,11 @@ def test_no_held_out_question_reaches_the_sft_set(tmp_path, tiny):
                  + json.dumps({"prompt": test_q, "completion": "#### 1"}) + "\n")
     with pytest.raises(DataError, match="1 question of the held-out set data.test .first: line 2"):
         build_targets(sft_cfg(tmp_path, "sft.source=jsonl", f"sft.path={f}"), tok, model)
+    for changed in (test_q.lower(), "  " + test_q.replace(" ", "   "), test_q.upper().replace(".", " ."),
+                    test_q.replace("?", "")):  # (another case, spacing or punctuation is the same question)
+        f.write_text(json.dumps({"prompt": changed, "completion": "#### 1"}) + "\n")
+        with pytest.raises(DataError, match="held-out set data.test"):
+            build_targets(sft_cfg(tmp_path, "sft.source=jsonl", f"sft.path={f}"), tok, model)
 
 
 def test_traces_select_exactly_what_the_audit_query_selects(tmp_path, tiny):
@@ -285,6 +354,34 @@ def test_traces_select_exactly_what_the_audit_query_selects(tmp_path, tiny):
         assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in expected.items()}
     with pytest.raises(DataError, match="selects no traced completion"):
         build_targets(sft_cfg(tmp_path, "sft.source=traces", f"sft.path={run}", "sft.where=step > 99"), tok, model)
+
+
+def test_traces_cut_at_max_new_tokens_are_not_learned_unless_asked_and_are_counted(tmp_path, tiny, capsys):
+    """A completion cut at max_new_tokens never ends: source traces leaves it out and says how many; with
+    sft.keep_truncated it is learned as sampled."""
+    from docuchat_rl.tools.audit import TraceStore
+
+    from .conftest import train_here
+
+    model, tok = tiny
+    run = tmp_path / "rl"
+    train_here(None, [f"run.output_dir={run}", "run.steps=2", "rollout.max_new_tokens=24", *FAST])
+    with TraceStore([run]) as store:
+        rows = store.select("step >= 1", columns="prompt_id, completion_ids, truncated")
+    cut = {tuple(r["completion_ids"]) for r in rows if r["truncated"]}
+    whole = {tuple(r["completion_ids"]) for r in rows if not r["truncated"]}
+    assert cut and whole  # (24 tokens: some end, some are cut)
+    sets = ["sft.source=traces", f"sft.path={run}", "sft.where=step >= 1", "sft.per_prompt=100"]
+    targets = build_targets(sft_cfg(tmp_path, *sets), tok, model)
+    assert {tuple(t.target_ids) for t in targets} == whole
+    assert all(t.target_ids[-1] == tok.eos_token_id for t in targets)
+    said = capsys.readouterr().err
+    n_cut = sum(bool(r["truncated"]) for r in rows)
+    assert f"{n_cut} selected completions were cut at max_new_tokens and not learned" in said
+    kept = build_targets(sft_cfg(tmp_path, *sets, "sft.keep_truncated=true"), tok, model)
+    assert {tuple(t.target_ids) for t in kept} == whole | cut
+    with pytest.raises(Exception, match="sft.keep_truncated applies to source traces"):
+        sft_cfg(tmp_path, "sft.keep_truncated=true")
 
 
 # ------------------------------------------------------------------------------------ the run and its hand-off
@@ -408,3 +505,94 @@ def test_evaluate_reads_the_held_out_rows_once_and_scores_eval_also(tmp_path):
     assert first["rows"] == 4 and first["other/rows"] == 4
     drop = ("seconds", "other/seconds")
     assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in second.items() if k not in drop}
+
+
+@pytest.mark.parametrize("key", ["run.output_dir", "sft.output_dir"])
+def test_every_key_naming_a_folder_refuses_empty_a_file_a_dangling_link_and_the_working_folder(tmp_path, key):
+    """One rule for the folders a command writes: empty, a file, a link to nothing are refused at load naming
+    the key; the working folder itself (by any name) where the folder is claimed, before anything is written."""
+    from docuchat_rl.config import ConfigError
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    link = tmp_path / "gone"
+    link.symlink_to(tmp_path / "nowhere")
+    for value, said in (("''", "must name a folder"), ("'  '", "must name a folder"), (str(a_file), "is a file"),
+                        (str(link), "is a link to nothing")):
+        with pytest.raises(ConfigError, match=f"'{key}'.*{said}"):
+            load_config(None, [f"{key}={value}", *([] if key == "run.output_dir" else ["sft.source=answers"])])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    command = "sft" if key == "sft.output_dir" else "train"
+    for here in (".", str(tmp_path), f"{tmp_path}/../{tmp_path.name}"):
+        done = subprocess.run([sys.executable, "-m", "docuchat_rl", command, "--set", f"{key}={here}", "--set",
+                               "run.output_dir=" + (str(tmp_path / "rl") if key == "sft.output_dir" else here)],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 2 and f"{key} {here} is the working folder itself" in done.stderr, done.stderr[-600:]
+        assert len(done.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # (nothing written beside the user's files)
+
+
+def test_resuming_an_sft_recipes_run_into_a_new_folder_and_starting_from_an_unfinished_sft_stage(tmp_path):
+    """A recipe with an sft section resumes into a new run.output_dir (the derived sft.output_dir is the
+    checkpoint's own, which a resume never reads); `train` after an SFT stage stopped early says which checkpoint
+    it starts from and that the stage did not finish."""
+    sets = ["--set", f"run.output_dir={tmp_path / 'r'}", "--set", "sft.steps=4", "--set", "sft.batch_size=4",
+            "--set", "run.steps=2", *[x for s in FAST for x in ("--set", s)]]
+    assert cli("sft", *sets, "--stop-after", "2").returncode == 0
+    first = cli("train", *sets, "--stop-after", "1")
+    assert first.returncode == 0, first.stderr[-800:]
+    assert "checkpoint-2 (step 2 of its SFT stage's 4: that stage stopped before its last step (2 left))" in first.stderr
+    moved = cli("train", *sets, "--resume", str(tmp_path / "r" / "checkpoint-1"), "--set",
+                f"run.output_dir={tmp_path / 'moved'}")
+    assert moved.returncode == 0, moved.stderr[-800:]
+    recorded = json.loads((tmp_path / "moved" / "checkpoint-2" / "run_config.json").read_text())["config"]
+    assert recorded["sft"]["output_dir"] == str(tmp_path / "r-sft")  # (the stage the run started from)
+    other = cli("train", *sets, "--resume", str(tmp_path / "r" / "checkpoint-1"), "--set",
+                f"run.output_dir={tmp_path / 'moved2'}", "--set", f"sft.output_dir={tmp_path / 'elsewhere'}")
+    assert other.returncode == 2 and "leave sft.output_dir out" in other.stderr
+
+
+JSON_VALUES = [None, 3, 2.5, True, "", "text", [], ["x"], [{"role": "user"}], [{"content": "hi"}],
+               [{"role": "user", "content": 7}], [{"role": "assistant", "content": "#### 1"}],
+               [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "#### 2"}], {"a": 1}]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_sft_jsonl_row_is_learned_or_refused_in_one_line_naming_its_line(tmp_path, tiny, seed):
+    """Generated rows of TRL's fields holding every JSON type, bytes that are not UTF-8, a folder: each either
+    becomes a target or is one DataError naming the file and the line (never a traceback, never a replacement
+    character learned)."""
+    import random
+
+    model, tok = tiny
+    rng = random.Random(seed)
+    f = tmp_path / "rows.jsonl"
+    for case in range(40):
+        keys = rng.choice([("prompt", "completion"), ("messages",), ("prompt",), ("question", "answer")])
+        row = {k: rng.choice(JSON_VALUES) for k in keys}
+        good = json.dumps({"prompt": "Bo has 3 figs. How many?", "completion": "#### 3"}).encode() + b"\n"
+        line = json.dumps(row).encode() + b"\n"
+        if case % 7 == 3:
+            line = b'{"prompt": "Bo has 3 figs\xff\xfe", "completion": "#### 3"}\n'  # (not UTF-8)
+        f.write_bytes(good + line)
+        cfg = sft_cfg(tmp_path, "sft.source=jsonl", f"sft.path={f}")
+        try:
+            targets = build_targets(cfg, tok, model)
+        except DataError as e:
+            text = str(e)
+            assert "\n" not in text and str(f) in text and "line 2" in text, text
+            continue
+        assert len(targets) == 2, row
+        assert all("\ufffd" not in tok.decode(t.prompt_ids + t.target_ids) for t in targets)
+    with pytest.raises(DataError, match="is a folder"):
+        build_targets(sft_cfg(tmp_path, "sft.source=jsonl", f"sft.path={tmp_path}"), tok, model)
+
+
+def test_a_template_that_ends_with_the_final_number_refuses_an_answer_without_one(tmp_path, tiny):
+    model, tok = tiny
+    f = tmp_path / "rows.jsonl"
+    f.write_text(json.dumps({"question": "Bo has 3 figs. How many?", "answer": "3 figs, I think"}) + "\n")
+    with pytest.raises(DataError, match="sft.answer_template steps: training row 0's answer has no final number"):
+        build_targets(sft_cfg(tmp_path, f"sft.path={f}", "sft.answer_template=steps"), tok, model)
+    build_targets(sft_cfg(tmp_path, f"sft.path={f}"), tok, model)  # (as written: the text is the target)

@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 
 import pytest
 
@@ -10,13 +11,19 @@ from docuchat_rl.synthetic import WORDINGS, make_problem, make_task, write_jsonl
 from .conftest import ROOT, TASK
 
 
-@pytest.mark.parametrize("task", [TASK, *(ROOT / "data" / f"task_{t}" for t in ("1op", "1op_varied", "1op_unseen"))],
-                         ids=["default", "1op", "1op-varied", "1op-unseen"])
+TASKS = ("1op", "1op_varied", "1op_unseen", "1to4", "unseen", "5to6", "5to6_unseen", "answers_varied",
+         "answers_diverse")
+
+
+@pytest.mark.parametrize("task", [TASK, *(ROOT / "data" / f"task_{t}" for t in TASKS)], ids=["default", *TASKS])
 def test_committed_data_matches_the_generator(tmp_path, task):
     meta = json.loads((task / "meta.json").read_text())
     ops = tuple(meta.get("ops", (2, 4)))
+    exclude = {json.loads(line)["question"] for f in meta.get("exclude", [])
+               for line in (ROOT / f).read_text().splitlines()}
     splits = make_task(meta["seed"], meta.get("train", {}).get("rows", 0), meta["test"]["rows"], ops=ops,
-                       wording=meta.get("wording", "plain"))
+                       wording=meta.get("wording", "plain"), exclude=exclude,
+                       answer_only=meta.get("answer_only", False))
     for name, problems in splits.items():
         if name not in meta:  # (a held-out-only set)
             assert not problems
@@ -24,7 +31,26 @@ def test_committed_data_matches_the_generator(tmp_path, task):
         digest = write_jsonl(problems, tmp_path / f"{name}.jsonl")
         assert digest == meta[name]["sha256"]
         assert hashlib.sha256((task / f"{name}.jsonl").read_bytes()).hexdigest() == digest
-        assert all(ops[0] <= p.answer.count("<<") <= ops[1] for p in problems)
+        if meta.get("answer_only"):  # (the final answer only: no worked solution to learn)
+            assert all(p.answer == f"#### {p.value}" for p in problems)
+        else:
+            assert all(ops[0] <= p.answer.count("<<") <= ops[1] for p in problems)
+
+
+def test_no_held_out_question_is_in_any_training_split():
+    """Every committed test split against every committed training split, questions compared as normalized
+    text (case, spacing, punctuation aside): a held-out row a recipe trains on measures recall."""
+    from docuchat_rl.data import normalized
+
+    def questions(f):
+        return {normalized(json.loads(line)["question"]) for line in f.read_text().splitlines()}
+
+    held = {f: questions(f) for f in (ROOT / "data").glob("task*/test.jsonl")}
+    trained = {f: questions(f) for f in (ROOT / "data").glob("task*/train.jsonl")}
+    assert len(held) >= 9 and len(trained) >= 5
+    for h, hq in held.items():
+        for t, tq in trained.items():
+            assert not hq & tq, (h.parent.name, t.parent.name, len(hq & tq))
 
 
 def test_splits_are_disjoint_and_sized():
@@ -48,13 +74,44 @@ def test_problems_are_gsm8k_format_with_2_to_4_integer_steps():
 
 def _words(w) -> set[str]:
     """Every name, object and sentence template of a wording."""
-    return {*w.names, *w.items, *w.openings, *w.questions, *(p for ps in w.phrases.values() for p in ps)}
+    return {*w.names, *w.items, *w.forms()}
 
 
-def test_unseen_wording_shares_no_name_object_or_sentence_with_the_training_wordings():
-    unseen = _words(WORDINGS["unseen"])
-    assert not unseen & (_words(WORDINGS["plain"]) | _words(WORDINGS["varied"]))
-    assert _words(WORDINGS["plain"]) < _words(WORDINGS["varied"])  # varied grows the plain pools
+def _form_pattern(form: str) -> re.Pattern:
+    """A sentence form as the sentences it writes: its slots filled by any name, number, object or word."""
+    parts = re.split(r"(\{\w+\})", form)
+    names = "|".join(re.escape(n) for w in WORDINGS.values() for n in w.names)
+    slot = {"{name}": f"(?:{names})", "{n}": r"\d+", "{v}": r"\d+", "{x}": r"\w+", "{frac}": r"[\w ]+",
+            "{times}": r"\w+", "{times_verb}": r"\w+"}
+    return re.compile("".join(slot.get(p, re.escape(p)) for p in parts), re.IGNORECASE)
+
+
+@pytest.mark.parametrize("ops", [(2, 4), (5, 6)])
+def test_unseen_rows_use_no_sentence_form_of_the_training_wordings(ops):
+    """Every unseen problem's sentences are written with unseen forms only (its template ids), and no sentence
+    of one is a sentence a plain or varied form could write (with any name, number or object in its slots)."""
+    import random
+
+    training = WORDINGS["plain"].forms() | WORDINGS["varied"].forms() | WORDINGS["diverse"].forms()
+    assert not WORDINGS["unseen"].forms() & training
+    patterns = [_form_pattern(f) for f in training]
+    rng = random.Random(11)
+    orders = set()
+    for _ in range(400):
+        p = make_problem(rng, ops, "unseen")
+        *forms, order = p.forms
+        orders.add(order)
+        assert set(forms) <= WORDINGS["unseen"].forms()
+        for sentence in re.split(r"(?<=[.?])(?<!Mr\.)(?<!Ms\.)\s+", p.question):
+            assert not any(pat.fullmatch(sentence) for pat in patterns), sentence
+    assert orders == {"story", "question_first", "start_last"}
+
+
+@pytest.mark.parametrize("name", ["unseen", "unseen_v1"])
+def test_unseen_wording_shares_no_name_object_or_sentence_with_the_training_wordings(name):
+    unseen = _words(WORDINGS[name])
+    assert not unseen & (_words(WORDINGS["plain"]) | _words(WORDINGS["varied"]) | _words(WORDINGS["diverse"]))
+    assert _words(WORDINGS["plain"]) < _words(WORDINGS["varied"]) < _words(WORDINGS["diverse"])  # (each grows the last)
     rows = [json.loads(line) for line in (ROOT / "data" / "task_1op_unseen" / "test.jsonl").open()]
     trained = {json.loads(line)["question"].split(".")[0].split()[0]
                for t in ("task_1op", "task_1op_varied") for line in (ROOT / "data" / t / "train.jsonl").open()}

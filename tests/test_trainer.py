@@ -436,7 +436,7 @@ def test_a_reward_failing_everywhere_is_said_at_once_and_stops_the_run(tmp_path,
     assert "\n" not in str(e.value)
     err = capsys.readouterr().err
     assert "train:" in err  # the bar was drawn
-    warned = [x for x in err.replace("\r", "\n").splitlines() if "failed on all" in x]
+    warned = [x for x in err.replace("\r", "\n").splitlines() if "failed on 8 of 8 completions of step" in x]
     assert len(warned) == 2 and all(x.startswith("docuchat-rl: warning: reward 'tests.user_rewards:raises' failed")
                                     for x in warned) and "boom" in warned[0]
     assert [m["reward_missing"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [8, 8]  # both steps logged

@@ -147,15 +147,57 @@ def test_serve_prints_vllms_own_command_for_the_recipe():
     assert int(argv[argv.index("--max-num-batched-tokens") + 1]) >= longest * cfg.rollout.batch_rows
 
 
-def test_no_server_at_the_url_is_one_line_before_the_model_trains(tmp_path):
+def test_no_server_at_the_url_is_one_line_before_the_model_trains(tmp_path, capsys):
+    """Nothing listens at the URL: the start waits rollout.vllm.startup_timeout_s for a server still loading
+    (saying so once), then stops in one line naming the URL and the setting."""
     from docuchat_rl.errors import TrainingError
     from docuchat_rl.trainer import Trainer
 
     url = f"http://127.0.0.1:{free_port()}"  # (nothing listens there)
-    with pytest.raises(TrainingError, match=rf"rollout.vllm.server_base_url {url}: no answer .*start the server "
+    t0 = time.time()
+    with pytest.raises(TrainingError, match=rf"rollout.vllm.server_base_url {url}: no answer .*after waiting "
+                                            r"rollout.vllm.startup_timeout_s \(3 s\); start the server "
                                             r"first \(docuchat-rl serve prints its command\)") as e:
-        Trainer(cfg_for(tmp_path, url))
-    assert "\n" not in str(e.value)
+        Trainer(cfg_for(tmp_path, url, "rollout.vllm.startup_timeout_s=3"))
+    assert "\n" not in str(e.value) and 3 <= time.time() - t0 < 60
+    assert capsys.readouterr().err.count(f"waiting for the vLLM server at {url}") == 1
+
+
+def test_a_server_that_starts_listening_later_is_waited_for(tmp_path):
+    """vLLM loads for minutes before it listens: a server that starts 3 s after the trainer is reached (here a
+    web server that then answers /v1/models with another model: the run stops on that, not on the wait)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from docuchat_rl.errors import TrainingError
+    from docuchat_rl.trainer import Trainer
+
+    port = free_port()
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "some/other-model", "root": "some/other-model"}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    servers = []
+
+    def start_later():
+        time.sleep(3)
+        servers.append(ThreadingHTTPServer(("127.0.0.1", port), Models))
+        servers[0].serve_forever()
+
+    threading.Thread(target=start_later, daemon=True).start()
+    try:
+        with pytest.raises(TrainingError, match=r"serves \['some/other-model'\], not model.name_or_path"):
+            Trainer(cfg_for(tmp_path, f"http://127.0.0.1:{port}", "rollout.vllm.startup_timeout_s=120"))
+    finally:
+        if servers:
+            servers[0].shutdown()
 
 
 def test_a_server_that_never_answers_ends_the_run_in_one_line_after_timeout_s(tmp_path):

@@ -120,6 +120,14 @@ class RandomStart(Counter):
         return f" You start at {RandomStart.made * 37 % 101}."
 
 
+class Briefing(Counter):
+    """A first observation that is a function of the row (the same for every completion of a prompt)."""
+
+    def reset(self, **row) -> str:
+        super().reset(**row)
+        return f" (Hint: the answer has {len(str(row.get('answer', '')))} characters.)"
+
+
 class Flood(Counter):
     """An environment that returns far more text than the model's context holds, from reset and from a tool."""
 
@@ -146,3 +154,23 @@ class NanReward(Counter):
 class NeverResets(Counter):
     def reset(self, **row):
         raise RuntimeError("the board is out of pieces")
+
+
+class CalculatorToo(Counter):
+    """An environment whose method has the name of a tool function (docuchat_rl.toolbox.calculate)."""
+
+    def calculate(self, expression: str) -> str:
+        """Evaluate an expression.
+
+        Args:
+            expression: The expression.
+        """
+        return "0"
+
+
+class DictStart(Counter):
+    """A reset that returns a dict, not the text or None TRL's contract asks for."""
+
+    def reset(self, **row):
+        super().reset(**row)
+        return {"hint": "start"}

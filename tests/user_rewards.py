@@ -244,3 +244,8 @@ def chatty(completions, **kwargs):
     """A reward that prints as it scores (a user's debugging line): never on a command's machine output."""
     print("scoring", len(completions), "completions")
     return [1.0 for _ in completions]
+
+
+def always_none(completions, **kwargs):
+    """No value for any completion (a reward that never applies)."""
+    return [None] * len(completions)

@@ -171,6 +171,11 @@ class ToolSource:
                 raise ToolError(f"rollout.environment_factory: {factory}() raised {type(e).__name__}: {e}") from None
             methods = environment_methods(probe)
         described = schemas(functions, "rollout.tools") + schemas(methods, "rollout.environment_factory")
+        names = [d["function"]["name"] for d in described]
+        twice = next((n for n in names if names.count(n) > 1), None)
+        if twice is not None:  # (one name from two sources: the environment's method would silently win)
+            raise ToolError(f"rollout.tools and rollout.environment_factory both give a tool named {twice!r}: rename "
+                            "one (the model calls tools by name)")
         return cls(functions, env_cls, described, env_cls is not None and callable(getattr(env_cls, "get_reward", None)))
 
 
@@ -572,24 +577,30 @@ def conversation_of(turns: list[dict]) -> list[dict]:
     return out
 
 
-def reset_environments(env_cls: type | None, rows: list[dict], group_size: int) -> tuple[list, list[str | None], set[int]]:
+def reset_environments(env_cls: type | None, rows: list[dict], group_size: int, quiet: bool = False
+                       ) -> tuple[list, list[str | None], dict[int, str]]:
     """One environment per row, reset with its data row: (environments, each row's observation, the groups
-    whose reset raised: dropped, each with one warning line)."""
+    whose reset raised, with the error: dropped, each with one warning line unless `quiet`)."""
     if env_cls is None:
-        return [None] * len(rows), [None] * len(rows), set()
-    envs, observations, failed = [], [], set()
+        return [None] * len(rows), [None] * len(rows), {}
+    envs, observations, failed = [], [], {}
     for r, row in enumerate(rows):
         env = env_cls()
         try:
             obs = env.reset(**row)
         except Exception as e:  # noqa: BLE001 (the environment's fault: its group is dropped, the run goes on)
-            if r // group_size not in failed:
+            if r // group_size not in failed and not quiet:
                 warnings.warn(f"environment reset failed for prompt row {row.get('prompt_id', '?')}: "
                               f"{type(e).__name__}: {e}; its group is dropped this step", stacklevel=2)
-            failed.add(r // group_size)
+            failed.setdefault(r // group_size, f"{type(e).__name__}: {e}")
             obs = None
-        if obs is not None and not isinstance(obs, str):
-            obs = as_text(obs)
+        if obs is not None and not isinstance(obs, str):  # (TRL's contract: text or None; anything else would be
+            # shown to the model as some rendering of it)
+            if r // group_size not in failed and not quiet:
+                warnings.warn(f"environment reset for prompt row {row.get('prompt_id', '?')} returned "
+                              f"{type(obs).__name__}, not text or None: its group is dropped this step", stacklevel=2)
+            failed.setdefault(r // group_size, f"reset returned {type(obs).__name__}, not text or None")
+            obs = None
         envs.append(env)
         observations.append(obs)
     return envs, observations, failed
@@ -702,6 +713,9 @@ def multiturn_from_config(cfg, tokenizer, max_new_tokens: int | None = None, gro
     source = ToolSource.load(r.tools, r.environment_factory)
     if not source.schemas:
         raise ToolError("rollout.tools and rollout.environment_factory give the model no tool to call")
+    if r.tool_protocol == "template" and not template_renders_tools(tokenizer):
+        raise ToolError("rollout.tool_protocol template: this model's chat template does not use the tools it is "
+                        "given (the model would never see them); set rollout.tool_protocol: text (or auto)")
     protocol = Protocol(tokenizer, source.schemas, r.tool_protocol, stop_ids)
     protocol.result_ids([(source.schemas[0]["function"]["name"], "0")])  # (a template that cannot append fails now)
     if source.has_reward and "environment" not in {c.name for c in cfg.rewards.components}:

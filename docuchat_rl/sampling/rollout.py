@@ -24,10 +24,10 @@ from rewards import CompositeReward
 from rewards.composite import RewardRecord
 
 from ..config import RolloutConfig
-from ..data import Example, PromptSampler
+from ..data import DifficultySampler, Example, PromptSampler
 from ..distributed import Dist
 from ..learning.batch import Batch, build_batch
-from ..traces import TraceRecord, completion_fields
+from ..traces import NOT_DRAWN_BY_DIFFICULTY, TraceRecord, completion_fields
 from .decoding import Decoding
 from .engines import Engine, sample_rows
 from .generation import Generation, completion_texts, row_seed
@@ -67,6 +67,8 @@ class Completion:
     model_mask: list[int] | None = None  # multi-turn: 1 on the tokens the model sampled, 0 on tool tokens
     turns: list | None = None  # multi-turn: its multiturn.Turn records
     observation: str | None = None  # multi-turn: its environment's first observation as appended to the prompt
+    prompt_pass_rate: float | None = NOT_DRAWN_BY_DIFFICULTY  # data.difficulty: its prompt's pass rate when drawn
+    # (None: its first draw; NOT_DRAWN_BY_DIFFICULTY without data.difficulty: not traced)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Rollout:
     adapter_sha256: str | None = None  # the sampling policy's adapter digest (modeling.adapter_digest)
     policy_version: int | None = None  # the sampling policy: the adapter after this step (Trainer.collect)
     sampler_seconds: float | None = None  # sampled ahead (a fixed lag): the engine's seconds, overlapping the update
+    data_metrics: dict[str, float | None] = field(default_factory=dict)  # data.difficulty's (DifficultySampler.metrics)
 
     @property
     def used(self) -> list[Completion]:
@@ -119,11 +122,25 @@ class Rollout:
             records.append((c.slot, TraceRecord(
                 run_id=run_id, step=step, group=c.group, used=c.used, algorithm=algo, slot=c.slot, seed=c.seed,
                 completion_ids=list(c.ids), adapter_sha256=self.adapter_sha256, turns=turns_json(c.turns),
-                observation=c.observation,
+                observation=c.observation, prompt_pass_rate=c.prompt_pass_rate,
                 policy_version=step - 1 if self.policy_version is None else self.policy_version,
                 **(coordinate or {}),
                 **completion_fields(c.example, c.sample, c.text, len(c.ids), c.truncated, c.reward))))
         return records
+
+
+def pass_rate(group: list[RewardRecord], accuracy: str | None) -> float | None:
+    """A group's pass rate: the mean raw score of its accuracy component over the completions that have one
+    (None when none has, or no component is named).
+
+    >>> from rewards.composite import ComponentResult, RewardRecord
+    >>> rec = lambda raw: RewardRecord(raw or 0.0, {"correctness": ComponentResult(raw, 1.0, raw, {})})
+    >>> pass_rate([rec(1.0), rec(0.0), rec(None), rec(1.0)], "correctness")
+    0.6666666666666666
+    """
+    raws = [c.components[accuracy].raw for c in group if accuracy in c.components]
+    raws = [x for x in raws if x is not None]
+    return sum(raws) / len(raws) if raws else None
 
 
 def rewards_varied(group: list[RewardRecord]) -> bool:
@@ -149,8 +166,10 @@ class Collector:
 
     def __init__(self, cfg: RolloutConfig, tokenizer, examples: list[Example], prompt_texts: list[str],
                  reward: CompositeReward, sampler: PromptSampler, seed: int = 0, dist: Dist | None = None,
-                 lockstep=None, max_steps: int = 0, engine: Engine | None = None, stop: list[int] = ()):
+                 lockstep=None, max_steps: int = 0, engine: Engine | None = None, stop: list[int] = (),
+                 accuracy: str | None = None):
         self.cfg, self.tokenizer, self.examples, self.max_steps = cfg, tokenizer, examples, max_steps
+        self.accuracy = accuracy  # the reward component whose raw score is a completion's accuracy (pass rates)
         self.stop = list(stop)  # the ids that end a completion (generation.eos_ids): not part of its text
         self.engine = engine  # what samples (engines.py); None: our engines on the model `collect` is given
         self.prompt_texts, self.reward, self.sampler, self.seed = prompt_texts, reward, sampler, seed
@@ -199,7 +218,8 @@ class Collector:
         while True:
             n = r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step
             lo, hi = dist.share(n)
-            idx = self.sampler.take(n)[lo:hi]  # this process's share of the round's prompts
+            drawn = self.sampler.take(n, step)  # the round's prompts, every process's
+            idx = drawn[lo:hi]  # this process's share of them
             self.taken[step] = self.sampler.state()
             examples = [self.examples[i] for i in idx for _ in range(g)]
             seeds = [row_seed(self.seed, step, sampled + lo + p, s) for p in range(len(idx)) for s in range(g)]
@@ -215,6 +235,13 @@ class Collector:
                     logged.setdefault(key, []).extend(values)
                 varied = [(g == 1 or rewards_varied(records[p * g:(p + 1) * g])) and p not in gen.dropped_groups
                           for p in range(len(idx))]
+            if isinstance(self.sampler, DifficultySampler):  # (every process records the whole round's rates)
+                rates = [pass_rate(records[p * g:(p + 1) * g], self.accuracy) for p in range(len(idx))]
+                rates = dist.gather(rates) if dist.active else rates
+                self.sampler.observe(step, drawn, rates)
+                self.taken[step] = self.sampler.state()
+                if r.dynamic_sampling:  # (a group is used when its rewards vary and its pass rate is in the band)
+                    varied = [v and self.sampler.in_band(rate) for v, rate in zip(varied, rates[lo:hi])]
             if not r.dynamic_sampling:
                 varied = [True] * n  # every group is used (but a failed environment's)
                 if self.multiturn is not None:
@@ -233,7 +260,8 @@ class Collector:
             sampled += n
             rounds += 1
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
-                return Rollout(completions, sampled, kept, logged)
+                metrics = self.sampler.metrics() if isinstance(self.sampler, DifficultySampler) else {}
+                return Rollout(completions, sampled, kept, logged, data_metrics=metrics)
 
     def data_state(self, step: int) -> dict:
         """The data position after step `step`'s prompts were taken (what a checkpoint of `step` holds; a
@@ -246,7 +274,7 @@ class Collector:
         """(this process's prompt rows, their row seeds) of `step`, taken now from the data order (lag.Ahead)."""
         g, n = self.cfg.num_generations, self.cfg.prompts_per_step
         lo, hi = self.dist.share(n)
-        idx = self.sampler.take(n)[lo:hi]  # (every process walks the whole order and keeps its share)
+        idx = self.sampler.take(n, step)[lo:hi]  # (every process walks the whole order and keeps its share)
         self.taken[step] = self.sampler.state()
         return idx, [row_seed(self.seed, step, lo + p, s) for p in range(len(idx)) for s in range(g)]
 
@@ -270,13 +298,16 @@ class Collector:
         """The step's records of one round's rows (prompt-major, G a prompt), whichever process sampled them:
         each prompt's slot among the step's sampled prompts and its group (None: dropped by dynamic sampling)."""
         g = self.cfg.num_generations
+        drawn = self.sampler.drawn if isinstance(self.sampler, DifficultySampler) else None
         return [Completion(example=examples[i], slot=slots[i // g], sample=i % g, seed=seeds[i],
                            prompt_ids=gen.prompt_ids[i], ids=gen.completion_ids[i], sampler_logps=gen.logps[i],
                            text=texts[i], truncated=gen.truncated[i], reward=records[i],
                            used=groups[i // g] is not None, group=groups[i // g],
                            model_mask=gen.model_mask[i] if gen.model_mask else None,
                            turns=gen.turns[i] if gen.turns else None,
-                           observation=gen.observations[i] if gen.observations else None) for i in range(len(examples))]
+                           observation=gen.observations[i] if gen.observations else None,
+                           prompt_pass_rate=NOT_DRAWN_BY_DIFFICULTY if drawn is None else drawn.get(examples[i].prompt_id))
+                for i in range(len(examples))]
 
     def trainer_state(self, step: int):
         """What TRL passes reward functions as `trainer_state` (for shaping by training progress): a

@@ -34,7 +34,8 @@ def score(reward: CompositeReward, examples: list[Example], texts: list[str], ge
           trainer_state: object | None = None) -> BatchResult:
     """The composite reward of each completion; `examples` holds each completion's example (repeated).
     `trainer_state` (training: a transformers.TrainerState, as TRL passes) reaches the rewards by name."""
-    columns = reward_inputs(examples, [len(c) for c in gen.completion_ids], gen.truncated)
+    columns = reward_inputs(examples, [len(c) for c in gen.completion_ids], gen.truncated,
+                            [sum(m) for m in gen.model_mask] if gen.model_mask else None)
     if trainer_state is not None:
         columns["trainer_state"] = trainer_state
     if gen.conversations is not None:  # multi-turn: TRL's conversational shapes, the environments as a column

@@ -40,6 +40,7 @@ import hashlib
 import json
 import re
 import shutil
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -56,6 +57,10 @@ from .generation import Generation, eos_ids
 
 class ServerError(TrainingError):
     """A vLLM server that cannot serve the run: the message names the URL and what to change."""
+
+
+class NotListening(ServerError):
+    """Nothing listens at the URL yet (connection refused): a server still loading, worth waiting for."""
 
 
 def one_line(text: str, most: int = 200) -> str:
@@ -90,7 +95,9 @@ def _call(url: str, path: str, body: dict | None, timeout: float) -> dict | str:
             message = one_line(raw) or e.reason
         raise ServerError(f"HTTP {e.code}: {message}") from None
     except (urllib.error.URLError, ConnectionError) as e:
-        raise ServerError(f"no answer ({getattr(e, 'reason', e)})") from None
+        reason = getattr(e, "reason", e)
+        kind = NotListening if isinstance(reason, ConnectionRefusedError) else ServerError
+        raise kind(f"no answer ({reason})") from None
     except TimeoutError:
         raise ServerError(f"no answer within rollout.vllm.timeout_s ({timeout:g} s)") from None
     try:
@@ -116,7 +123,7 @@ class VLLMServer(Engine):
         v, r = ctx.cfg.rollout.vllm, ctx.cfg.rollout
         urls = v.server_base_url if isinstance(v.server_base_url, list) else [v.server_base_url]
         self.urls = [u.rstrip("/") for u in urls]
-        self.timeout = v.timeout_s
+        self.timeout, self.startup_timeout = v.timeout_s, v.startup_timeout_s
         self.folder = Path(v.adapter_dir) if v.adapter_dir else Path(ctx.out_dir) / "vllm-adapters"
         # (the run's own names: two runs sharing a server or an adapter_dir never sample each other's versions)
         self.tag = hashlib.sha256(str(Path(ctx.out_dir or ".").resolve()).encode()).hexdigest()[:8]
@@ -132,13 +139,25 @@ class VLLMServer(Engine):
             self._check(url)
 
     def _check(self, url: str) -> None:
-        """The server answers and serves the configured base model."""
+        """The server answers (waiting up to rollout.vllm.startup_timeout_s for one still loading) and serves the
+        configured base model."""
         want = self.ctx.cfg.model.name_or_path
-        try:
-            models = _call(url, "/v1/models", None, min(self.timeout, 60.0))
-        except ServerError as e:
-            raise ServerError(f"rollout.vllm.server_base_url {url}: {e}; start the server first (docuchat-rl serve "
-                              "prints its command)") from None
+        deadline, waited = time.monotonic() + self.startup_timeout, False
+        while True:
+            try:
+                models = _call(url, "/v1/models", None, min(self.timeout, 60.0))
+                break
+            except ServerError as e:
+                if not isinstance(e, NotListening) or time.monotonic() >= deadline:  # (an error, a hang: at once)
+                    more = (f" after waiting rollout.vllm.startup_timeout_s ({self.startup_timeout:g} s)"
+                            if waited else "")
+                    raise ServerError(f"rollout.vllm.server_base_url {url}: {e}{more}; start the server first "
+                                      "(docuchat-rl serve prints its command)") from None
+                if not waited:
+                    print(f"docuchat-rl: waiting for the vLLM server at {url} (up to rollout.vllm.startup_timeout_s, "
+                          f"{self.startup_timeout:g} s): {e}", file=sys.stderr, flush=True)
+                waited = True
+                time.sleep(min(2.0, max(0.0, deadline - time.monotonic())))
         if not isinstance(models, dict):  # (a web server that is not vLLM's answers with a page)
             raise ServerError(f"rollout.vllm.server_base_url {url}: /v1/models answered {one_line(str(models))!r}, "
                               "not vLLM's JSON: is the URL a vLLM server?")

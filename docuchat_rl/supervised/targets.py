@@ -3,21 +3,25 @@ tokens the loss reads.
 
 Every prompt is the RL run's own prompt, token for token: the text the collector samples from (run.py's
 `prompt_texts`: the chat template or the plain form with its BOS, the system prompt, data.few_shot, the tools
-of a multi-turn recipe), encoded as the collector encodes it. Targets end with the model's end-of-turn token
-(its first EOS id), the token a sampled completion ends with. Four sources (`sft.source`):
+of a multi-turn recipe, an environment's first observation), encoded as the collector encodes it. Targets end
+with the token the chat template writes after an assistant turn (`modeling.end_of_turn`: one of the model's
+stops, not the first of its EOS list), the token a sampled completion ends with. Four sources (`sft.source`):
 
-- `answers`: the answer column, as written or through a named template (`sft.answer_template`);
+- `answers`: the answer column, as written or through a named template (`sft.answer_template`), of the
+  training rows (data.train) or of the rows `sft.path` names (worked solutions RL's own rows may not have);
 - `tool_transcripts`: a calculator conversation per row, one call per `<<a op b=c>>` step of its answer, then
   `#### N`. The conversation is made by the RL tool loop itself (`multiturn.run_turns`, with the scripted
   turns in place of the sampler): the tool really runs, its result is rendered, cut and framed by the same
   code, and the limits that would cut a sampled conversation refuse a transcript that does not fit them.
   Tool-result tokens are out of the loss, as in RL (`loss_mask` 0);
 - `traces`: a run's traced completions selected by an audit filter (rejection-sampling fine-tuning, STaR),
-  their sampled token ids as they are, at most `sft.per_prompt` distinct ones per prompt;
+  their sampled token ids as they are, at most `sft.per_prompt` distinct ones per prompt; a completion cut at
+  max_new_tokens is left out (and counted) unless `sft.keep_truncated`;
 - `jsonl`: TRL's prompt/completion rows (text or conversational) or `messages` rows (the last assistant
   message is the target, the messages before it the prompt).
 
-Whatever the source, no held-out question (data.test, eval.also) may reach the SFT set (`check_held_out`).
+Whatever the source, no held-out question (data.test, eval.also) may reach the SFT set (`check_held_out`,
+comparing `data.normalized` text: case, spacing and punctuation aside).
 
 Deliberately left out: packing several examples into one sequence, and targets with several trained
 assistant turns from a JSONL file (the last one is learned; a tool conversation comes from tool_transcripts).
@@ -25,20 +29,24 @@ assistant turns from a JSONL file (the last one is learned; a tool conversation 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rewards.correctness import gold_of
 
-from ..data import DataError, Example, load_examples, load_split, prompt_turns, reasoning_target, render_prompt
+from ..data import (DataError, Example, examples_of, load_examples, load_split, normalized, prompt_turns,
+                    reasoning_target, render_prompt)
 from ..outputs import read_jsonl
 from ..sampling.generation import Generation
-from ..sampling.multiturn import MultiTurn, run_turns, turn_seed
+from ..sampling.multiturn import MultiTurn, reset_environments, run_turns, turn_seed
 
 _STEP = re.compile(r"<<\s*([^=<>]+?)\s*=\s*([^<>]*?)\s*>>")
 _CALC = re.compile(r"<<[^>]*>>")
+_NUMBER = re.compile(r"[-+]?[\d,]*\.?\d+(/\d+)?")  # a final answer the templates' last line can say
 
 
 @dataclass(frozen=True)
@@ -91,11 +99,12 @@ def steps_of(answer: str) -> list[str]:
 
 
 class Builder:
-    """Targets on the RL prompts of a recipe: `prompt_texts[i]` is training row i's prompt as the run samples it."""
+    """Targets on the RL prompts of a recipe: `prompt_ids[i]` is row i's prompt as the run samples it, `eos` the
+    token that ends an assistant turn (modeling.end_of_turn)."""
 
-    def __init__(self, tokenizer, examples: list[Example], prompt_texts: list[str], eos: int):
-        self.tok, self.examples, self.eos = tokenizer, examples, eos
-        self.prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"] if prompt_texts else []
+    def __init__(self, tokenizer, examples: list[Example], prompt_ids: list[list[int]], eos: int):
+        self.tok, self.examples, self.eos, self.prompt_ids = tokenizer, examples, eos, prompt_ids
+        self.left_out = 0  # traces: completions cut at max_new_tokens, not learned (said by the caller)
 
     def _target(self, i: int, where: str, ids: list[int], mask: list[int] | None = None) -> Target:
         e = self.examples[i]
@@ -110,6 +119,10 @@ class Builder:
         for i, e in enumerate(self.examples):
             if not e.answer_text.strip():
                 raise DataError(f"sft.source answers: training row {e.prompt_id} has no answer text to learn")
+            if template != "as_written" and not _NUMBER.fullmatch(gold_of(e.answer_text) or ""):  # (it would
+                # teach "#### " followed by nothing, or by the whole answer)
+                raise DataError(f"sft.answer_template {template}: training row {e.prompt_id}'s answer has no final "
+                                f"number to end with ('#### N'): {e.answer_text[-60:]!r}")
             out.append(self._target(i, f"row {e.prompt_id}", self._text(answer_text(e.answer_text, template))))
         return out
 
@@ -162,13 +175,16 @@ class Builder:
             out.append(self._target(i, f"row {self.examples[i].prompt_id}", ids, mask))
         return out
 
-    def traces(self, run: str, where: str, per_prompt: int) -> list[Target]:
-        """The traced completions `where` selects, as sampled, at most `per_prompt` distinct ones a prompt."""
+    def traces(self, run: str, where: str, per_prompt: int, keep_truncated: bool = False) -> list[Target]:
+        """The traced completions `where` selects, as sampled, at most `per_prompt` distinct ones a prompt; one
+        cut at max_new_tokens (no end-of-turn: a target that never stops) only with `keep_truncated`, the
+        others counted in `left_out`."""
         from ..tools.audit import TraceStore
 
         with TraceStore([run]) as store:
             rows = store.select(where, sort="step DESC, source, lineno",
-                                columns="step, sample, prompt_id, prompt, completion_ids, turns, observation")
+                                columns="step, sample, prompt_id, prompt, completion_ids, turns, observation, "
+                                        "truncated")
         kept: dict[int, list[tuple]] = {}
         out = []
         for r in rows:
@@ -184,6 +200,9 @@ class Builder:
             ids = [int(t) for t in (r["completion_ids"] or [])]
             if not ids:
                 raise DataError(f"sft.path {run}: step {r['step']} sample {r['sample']} has no completion_ids")
+            if r["truncated"] and not keep_truncated:
+                self.left_out += 1
+                continue
             seen = kept.setdefault(i, [])
             if tuple(ids) in seen or len(seen) >= per_prompt:
                 continue
@@ -197,7 +216,9 @@ class Builder:
                                     "up to its completion_ids")
             out.append(self._target(i, f"step {r['step']} sample {r['sample']}", ids, mask))
         if not out:
-            raise DataError(f"sft.path {run}: --where {where!r} selects no traced completion: nothing to learn")
+            cut = (f" ({self.left_out} selected completions were cut at max_new_tokens: sft.keep_truncated: true "
+                   "learns them)") if self.left_out else ""
+            raise DataError(f"sft.path {run}: --where {where!r} selects no traced completion{cut}: nothing to learn")
         return out
 
 
@@ -205,47 +226,145 @@ def jsonl_targets(path: str, tokenizer, eos: int, system_prompt: str | None, few
                   multiturn: MultiTurn | None) -> list[Target]:
     """A JSONL file of TRL's rows: {"prompt", "completion"} (text or messages) or {"messages"}."""
     p = Path(path)
+    if p.is_dir():
+        raise DataError(f"sft.path {path} is a folder: source jsonl reads a file of rows")
     if not p.is_file():
         raise DataError(f"sft.path {path}: no such file")
     skipped: list[int] = []
-    rows = read_jsonl(p, skipped)
+    why: dict[int, str] = {}
+    rows = read_jsonl(p, skipped, why)
     if skipped:
-        raise DataError(f"{path}: line {skipped[0]} is not a JSON object")
+        raise DataError(f"{path}: line {skipped[0]} is {why[skipped[0]]}")
+    if not rows:
+        raise DataError(f"{path}: no rows")
+    return trl_targets(rows, lambda n: f"{path}: line {n}", tokenizer, eos, system_prompt, few_shot, multiturn)
+
+
+def is_trl_rows(rows: list[dict]) -> bool:
+    """Whether rows are in TRL's SFT formats (prompt/completion or messages) rather than question/answer ones."""
+    return bool(rows) and all(isinstance(r, dict) and ("messages" in r or ("prompt" in r and "completion" in r))
+                              for r in rows)
+
+
+def trl_targets(rows: list[dict], where: Callable[[int], str], tokenizer, eos: int, system_prompt: str | None,
+                few_shot: list[dict], multiturn: MultiTurn | None) -> list[Target]:
+    """Targets of TRL's rows (a file's or a data set's in memory; `where(n)` names row n, 1-based): each row
+    checked (trl_row), its prompt rendered as RL renders one, its completion ended with the end-of-turn token."""
     out = []
     for n, row in enumerate(rows, 1):
-        if "messages" in row:
-            msgs = row["messages"]
-            last = max((k for k, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "assistant"),
-                       default=None) if isinstance(msgs, list) else None
-            if last is None or last == 0:
-                raise DataError(f"{path}: line {n}: 'messages' needs turns before an assistant message")
-            prompt, completion = msgs[:last], msgs[last]["content"]
-        elif "prompt" in row and "completion" in row:
-            prompt, completion = row["prompt"], row["completion"]
-            if isinstance(completion, list):
-                completion = next((m["content"] for m in completion if m.get("role") == "assistant"), None)
-        else:
-            raise DataError(f"{path}: line {n} has neither 'messages' nor 'prompt' and 'completion' (TRL's "
-                            f"formats); it has {sorted(row)}")
-        if not isinstance(completion, str) or not completion.strip():
-            raise DataError(f"{path}: line {n}: the completion is not text")
+        prompt, completion = trl_row(row, where(n))
         messages = tuple(prompt) if isinstance(prompt, list) else None
         question = (next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
                     if messages else str(prompt))
+        if multiturn is not None and multiturn.source.environment is not None:
+            _observation_free(multiturn, row, where(n))
         turns = prompt_turns(question, system_prompt, messages, few_shot)
         text = (multiturn.render(turns) if multiturn is not None else
                 render_prompt(tokenizer, question, system_prompt, messages, few_shot))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         target = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
-        out.append(Target(-1, f"line {n}", ids, target, [1] * len(target), question))
-    if not out:
-        raise DataError(f"{path}: no rows")
+        out.append(Target(-1, where(n).rsplit(": ", 1)[-1], ids, target, [1] * len(target), question))
     return out
+
+
+def trl_row(row: dict, where: str) -> tuple[str | list[dict], str]:
+    """(the prompt: text or messages, the completion's text) of one of TRL's rows: {"prompt", "completion"} (text
+    or messages) or {"messages"} (the last assistant message is the completion), every field checked for its
+    type; one line naming `where` and the field otherwise."""
+    if "messages" in row:
+        msgs = _messages(row["messages"], f"{where}: 'messages'")
+        last = max((k for k, m in enumerate(msgs) if m["role"] == "assistant"), default=None)
+        if last is None or last == 0:
+            raise DataError(f"{where}: 'messages' needs turns before an assistant message")
+        return list(msgs[:last]), msgs[last]["content"]
+    if "prompt" not in row or "completion" not in row:
+        raise DataError(f"{where} has neither 'messages' nor 'prompt' and 'completion' (TRL's formats); it has "
+                        f"{sorted(row)}")
+    prompt, completion = row["prompt"], row["completion"]
+    if isinstance(prompt, list):
+        prompt = list(_messages(prompt, f"{where}: 'prompt'"))
+    elif not isinstance(prompt, str) or not prompt.strip():
+        raise DataError(f"{where}: 'prompt' holds {type(prompt).__name__} {str(prompt)[:40]!r}, not text or a list "
+                        "of messages")
+    if isinstance(completion, list):
+        msgs = _messages(completion, f"{where}: 'completion'")
+        completion = next((m["content"] for m in msgs if m["role"] == "assistant"), None)
+    if not isinstance(completion, str) or not completion.strip():
+        raise DataError(f"{where}: the completion is not text ({type(completion).__name__} "
+                        f"{str(completion)[:40]!r})")
+    return prompt, completion
+
+
+def _messages(value, where: str) -> tuple[dict, ...]:
+    """Chat messages checked (data._messages' rule, naming `where`)."""
+    from ..data import _messages as checked
+
+    if not isinstance(value, list):
+        raise DataError(f"{where} holds {type(value).__name__}, not a list of messages")
+    return checked(value, where)
+
+
+def _observation_free(multiturn: MultiTurn, row: dict, where: str) -> None:
+    """Refuse (one line) a JSONL row whose RL prompt would hold an environment's observation: the row's own
+    prompt does not say it, so SFT's prompt would not be RL's."""
+    _, observations, failed = reset_environments(multiturn.source.environment, [row], 1, quiet=True)
+    if failed or observations[0]:
+        said = f"reset raised {failed[0]}" if failed else "its reset returns an observation"
+        raise DataError(f"{where}: rollout.environment_factory's {said}, which the row's prompt does not hold: "
+                        "RL would sample after another prompt than SFT learns (use sft.source answers, which "
+                        "renders each training row's observation)")
+
+
+def memory_targets(cfg, tokenizer, rows: list[dict], eos: int, multiturn) -> list[Target]:
+    """Targets of a data set in memory (build_targets' `rows`), checked as a file's rows are."""
+    s, d = cfg.sft, cfg.data
+    if not rows:
+        raise DataError("train_dataset: the data set is empty (no rows)")
+    if s.source in ("traces", "jsonl") and s.path:
+        raise DataError(f"train_dataset and sft.path both name the SFT rows (sft.source {s.source}): give one")
+    if is_trl_rows(rows):
+        return trl_targets(rows, lambda n: f"train_dataset: row {n - 1}", tokenizer, eos, d.system_prompt,
+                           d.few_shot_turns, multiturn)
+    from datasets import Dataset
+
+    examples = examples_of(Dataset.from_list(rows), "train_dataset (in memory)", d.prompt_column, d.answer_column)
+    build = Builder(tokenizer, examples, rl_prompt_ids(cfg, tokenizer, examples, multiturn), eos)
+    return build.tool_transcripts(multiturn) if s.source == "tool_transcripts" else build.answers(s.answer_template)
+
+
+def rl_prompt_ids(cfg, tokenizer, examples: list, multiturn) -> list[list[int]]:
+    """Each row's prompt tokens as the RL run samples from them: rendered as the collector renders them, with
+    an environment's first observation where its `reset` returns one (reset once a row, its observation
+    appended and cut as the tool loop does: `MultiTurn.observed_prompts`). A reset that raises is one line
+    naming the row: RL would drop that prompt's group, and SFT has no prompt to learn it after."""
+    if multiturn is None:
+        d = cfg.data
+        texts = [render_prompt(tokenizer, e.question, d.system_prompt, e.messages, d.few_shot_turns) for e in examples]
+        return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    observations = [None] * len(examples)
+    if multiturn.source.environment is not None:
+        envs, observations, failed = reset_environments(multiturn.source.environment,
+                                                        [multiturn.reset_row(e) for e in examples], 1, quiet=True)
+        if failed:
+            e = examples[min(failed)]
+            raise DataError(f"rollout.environment_factory: reset raised for training row {e.prompt_id} "
+                            f"({failed[min(failed)]}): RL drops that prompt, and SFT has no prompt to learn it after")
+    ids, _ = multiturn.observed_prompts(examples, observations)
+    return ids
+
+
+def fingerprint(targets: list[Target]) -> dict:
+    """What identifies an SFT set (a resume must learn the same examples): count and a sha256 of their tokens."""
+    h = hashlib.sha256()
+    for t in targets:
+        h.update(json.dumps([t.prompt_ids, t.target_ids, t.loss_mask]).encode())
+    return {"rows": len(targets), "sha256": h.hexdigest()[:16]}
 
 
 def check_held_out(targets: list[Target], cfg) -> None:
     """Refuse an SFT set that holds a held-out question (data.test's, eval.also's): its held-out accuracy would
-    measure recall, not skill. One line naming the first such example."""
+    measure recall, not skill. Questions are compared as `data.normalized` text (case, spacing and punctuation
+    aside). One line naming the first such example."""
     d, sets = cfg.data, {}
     if d.test:
         sets["data.test"] = load_split(d, "test")
@@ -253,10 +372,10 @@ def check_held_out(targets: list[Target], cfg) -> None:
         sets[f"eval.also.{name}"] = load_examples(path, d.test_split, d.prompt_column, d.answer_column,
                                                   revision=d.revision, subset=d.subset)
     for key, rows in sets.items():
-        held = {e.question.strip() for e in rows}
-        hit = next((t for t in targets if t.question.strip() in held), None)
+        held = {normalized(e.question) for e in rows}
+        hit = next((t for t in targets if normalized(t.question) in held), None)
         if hit is not None:
-            n = sum(t.question.strip() in held for t in targets)
+            n = sum(normalized(t.question) in held for t in targets)
             raise DataError(f"the SFT set holds {n} question{'s' * (n != 1)} of the held-out set {key} (first: "
                             f"{hit.where}, {hit.question[:60]!r}): SFT learns from training rows only")
 

@@ -13,8 +13,7 @@ killed anywhere resumes to the same weights.
 Why not TRL's SFTTrainer (a dependency already): it would tokenize the prompts itself, and the point of this
 stage is that its prompts are RL's, token for token, with the tool results masked as the RL loop masks them;
 it would also write checkpoints that are not ours (no manifest, no `latest`, no atomic rename), so neither
-`--resume` after kill -9 nor `train`'s start from the adapter could keep their promises. What it adds here
-is about a hundred lines over the machinery the RL loop already has.
+`--resume` after kill -9 nor `train`'s start from the adapter could keep their promises.
 
 Deliberately left out: several processes (one process trains; `train` is the stage that scales out), packing,
 and NEFTune-style noise.
@@ -22,7 +21,6 @@ and NEFTune-style noise.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -46,54 +44,54 @@ from ..checkpoint import (
     write_training_state,
 )
 from ..config import Config, ConfigError
-from ..data import load_split, render_prompt
+from ..data import load_examples, load_split
 from ..errors import CheckpointError, Preempted, TrainingError
 from ..learning.batch import build_batch
 from ..learning.forward import policy_forward
 from ..learning.fused_lora import fuse_lora
-from ..modeling import eos_ids
+from ..modeling import end_of_turn, eos_ids
 from ..outputs import JsonlWriter
 from ..preemption import Preemption
 from ..progress import Progress
 from ..run import _agree, _claim, _launch, _optimizer, policy_model
 from ..sampling.multiturn import ToolError, multiturn_from_config
-from .targets import Builder, Target, check_held_out, check_lengths, jsonl_targets
+from .targets import (Builder, Target, check_held_out, check_lengths, fingerprint, jsonl_targets, memory_targets,
+                      rl_prompt_ids)
 
 TARGETS_FILE = "sft_targets.jsonl"
 
 
-def build_targets(cfg: Config, tokenizer, model) -> list[Target]:
+def build_targets(cfg: Config, tokenizer, model, rows: list[dict] | None = None) -> list[Target]:
     """The SFT set of the recipe (sft.source), checked: no held-out question, none longer than sft.max_length
-    or the model's context."""
-    s = cfg.sft
+    or the model's context. `rows`: a data set in memory in place of the source's file (the Python API's
+    train_dataset): TRL's rows (prompt/completion, messages) as source jsonl reads them, or rows with the
+    recipe's question and answer columns as source answers (or tool_transcripts) reads them."""
+    s, d = cfg.sft, cfg.data
     context = getattr(model.config, "max_position_embeddings", None)
     try:
         multiturn = multiturn_from_config(cfg, tokenizer, stop_ids=eos_ids(model, tokenizer), context_len=context)
     except ToolError as e:
         raise TrainingError(str(e)) from None
-    eos = eos_ids(model, tokenizer)[0]
-    if s.source == "jsonl":
-        targets = jsonl_targets(s.path, tokenizer, eos, cfg.data.system_prompt, cfg.data.few_shot_turns, multiturn)
+    eos = end_of_turn(model, tokenizer)  # (the token the chat template ends an assistant turn with)
+    if rows is not None:
+        targets = memory_targets(cfg, tokenizer, rows, eos, multiturn)
+    elif s.source == "jsonl":
+        targets = jsonl_targets(s.path, tokenizer, eos, d.system_prompt, d.few_shot_turns, multiturn)
     else:
-        examples = load_split(cfg.data, "train")
-        texts = [multiturn.prompt_text(e) if multiturn else
-                 render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages, cfg.data.few_shot_turns)
-                 for e in examples]
-        build = Builder(tokenizer, examples, texts, eos)
+        examples = (load_split(d, "train") if s.source == "traces" or not s.path else
+                    load_examples(s.path, d.train_split, d.prompt_column, d.answer_column, revision=d.revision,
+                                  subset=d.subset, key="sft.path"))
+        build = Builder(tokenizer, examples, rl_prompt_ids(cfg, tokenizer, examples, multiturn), eos)
         targets = (build.answers(s.answer_template) if s.source == "answers" else
                    build.tool_transcripts(multiturn) if s.source == "tool_transcripts" else
-                   build.traces(s.path, s.where, s.per_prompt))
+                   build.traces(s.path, s.where, s.per_prompt, s.keep_truncated))
+        if build.left_out:
+            print(f"docuchat-rl: sft.source traces: {build.left_out} selected completion"
+                  f"{'s were' if build.left_out != 1 else ' was'} cut at max_new_tokens and not learned "
+                  "(sft.keep_truncated: true learns them)", file=sys.stderr, flush=True)
     check_held_out(targets, cfg)
     check_lengths(targets, min(s.max_length, context or s.max_length))
     return targets
-
-
-def fingerprint(targets: list[Target]) -> dict:
-    """What identifies an SFT set (a resume must learn the same examples): count and a sha256 of their tokens."""
-    h = hashlib.sha256()
-    for t in targets:
-        h.update(json.dumps([t.prompt_ids, t.target_ids, t.loss_mask]).encode())
-    return {"rows": len(targets), "sha256": h.hexdigest()[:16]}
 
 
 def batch_order(n: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -128,7 +126,11 @@ class SupervisedTrainer:
     """A started SFT run: `train()` runs the steps, `evaluate()` the held-out set; the same surface as the RL
     Trainer, so that the command runs both stages alike (`step`, `steps`, `is_main`, `preemption`, `close`)."""
 
-    def __init__(self, cfg: Config, resume: str | None = None):
+    def __init__(self, cfg: Config, resume: str | None = None, held_out: list | None = None,
+                 rows: list[dict] | None = None):
+        self.given_held_out = held_out  # (the API's eval_dataset: in place of data.test's rows)
+        self.given_rows = rows  # (the API's train_dataset: in place of the source's file; build_targets)
+        self.on_step = self.on_checkpoint = None  # (the API's callbacks: Trainer's seams of the same names)
         if cfg.sft is None:
             raise ConfigError("the recipe has no sft section: add one (docs/sft.md), e.g. --set sft.source=answers")
         self.out_dir = Path(cfg.sft_dir)
@@ -138,9 +140,9 @@ class SupervisedTrainer:
             raise TrainingError("docuchat-rl sft trains in one process (train is the stage that runs on several)")
         cfg = cfg.for_device(place.dist.device.type)
         self.cfg = cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": place.dtype})})
-        applied = check_resumable(resume_dir, cfg.to_dict()) if resume_dir else []
+        applied = check_resumable(resume_dir, cfg.to_dict(), ("sft.output_dir",)) if resume_dir else []
         self.dist, self.is_main = place.dist, True
-        self.lock = _agree(place.dist, _claim, self.out_dir, cfg.run.overwrite, resume_dir, True)
+        self.lock = _agree(place.dist, _claim, self.out_dir, cfg.run.overwrite, resume_dir, True, "sft.output_dir")
         try:
             if applied:
                 print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
@@ -162,7 +164,7 @@ class SupervisedTrainer:
         if cfg.lora.fused:
             fuse_lora(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.targets = build_targets(cfg, self.tokenizer, self.model)
+        self.targets = build_targets(cfg, self.tokenizer, self.model, self.given_rows)
         data = fingerprint(self.targets)
         self.steps = s.steps or max(1, math.ceil((s.epochs or 1.0) * len(self.targets) / s.batch_size))
         optim = cfg.optim.model_copy(update={"lr": s.lr, "schedule": s.schedule, "warmup_steps": s.warmup_steps})
@@ -192,7 +194,8 @@ class SupervisedTrainer:
         self.chunk = cfg.optim.logit_chunk if cfg.optim.logit_chunk is not None else (1024 if vocab > 32768 else 0)
         self.micro = s.micro_batch_size or s.batch_size
         self.preemption = Preemption(self.dist)
-        self.last_eval, self.held_out = None, None  # (held_out: the evaluation's rows, read at the first)
+        self.last_eval = None
+        self.held_out = None  # (the evaluation's rows and eval.also's, read at the first)
         self.started = time.perf_counter()
 
     @property
@@ -240,7 +243,10 @@ class SupervisedTrainer:
             write_training_state(folder, model=self.model, tokenizer=self.tokenizer, critic=None,
                                  accelerator=self.place.accelerator, config=self.cfg.to_dict(), trainer_state=state)
 
-        return save_checkpoint(self.out_dir, step, write_into, self.cfg.checkpoint.keep_last)
+        folder = save_checkpoint(self.out_dir, step, write_into, self.cfg.checkpoint.keep_last)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(step)
+        return folder
 
     # ------------------------------------------------------------------ the loop
     def train(self, stop_after: int | None = None) -> list[dict]:
@@ -257,7 +263,8 @@ class SupervisedTrainer:
                     m = self._step(step)
                     history.append(m)
                     progress.show(step, {"loss": f"{m['loss']:.3f}", "epoch": f"{m['epoch']:.2f}"})
-                    last = step in (self.steps, stop_after)
+                    last = step in (self.steps, stop_after) or bool(self.on_step and self.on_step(m))  # (the API's
+                    # callbacks may stop the run after any step: it is checkpointed, as at stop_after)
                     if step % self.cfg.checkpoint.every == 0 or last:
                         self.checkpoint(step)
                     if self.preemption.requested():
@@ -276,7 +283,9 @@ class SupervisedTrainer:
         from ..evaluation import also_sets, evaluate
 
         if self.held_out is None:
-            self.held_out = load_split(self.cfg.data, "test", self.cfg.eval.limit), also_sets(self.cfg)
+            rows = (self.given_held_out if self.given_held_out is not None else
+                    load_split(self.cfg.data, "test", self.cfg.eval.limit))
+            self.held_out = rows, also_sets(self.cfg)
         rows, also = self.held_out
         return evaluate(self.model, self.tokenizer, self.cfg, rows, self.dist, also=also)
 

@@ -202,6 +202,10 @@ class TraceStore:
             self.close()
             raise AuditError(f"{first['source']}: no trace lines ({len(self.malformed)} lines skipped; line "
                              f"{first['line']}: {first['why']})")
+        if not self.rows:  # (an empty file, or a run that has not finished its first step)
+            self.close()
+            raise AuditError(f"{', '.join(str(s) for s in sources)}: no trace lines (empty: a run writes them as "
+                             "each step ends)")
         self.con.execute("SET enable_external_access=false")
         self.con.execute("SET lock_configuration=true")
 

@@ -342,6 +342,8 @@ def rescore(run_dir: str | Path, cfg: Config | None = None) -> Rescored:
         if any(t.get("turns") for t in group):  # multi-turn: the conversations as training scored them
             gen.conversations = [conversation_of(t["turns"]) if t.get("turns") else
                                  [{"role": "assistant", "content": t["completion"]}] for t in group]
+            gen.model_mask = [[v for turn in t["turns"] for v in [1] * turn["model_tokens"] + [0] * turn.get(
+                "env_tokens", 0)] if t.get("turns") else [1] * len(i) for t, i in zip(group, ids)]
             if "environment" in reward.names:  # (its instances are gone: the traced scores are kept, said)
                 gen.environments = [TracedEnvironment((t["rewards"].get("environment") or {}).get("raw"))
                                     for t in group]
