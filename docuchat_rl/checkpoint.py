@@ -32,6 +32,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from .config import flat_keys
 from .errors import CheckpointError, CheckpointWarning
 from .modeling import CRITIC_ADAPTER
 
@@ -297,16 +298,6 @@ def _section(config: dict, key: str):
     return config
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
-    out: dict[str, object] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _applies(key: str, config: dict) -> bool:  # (config flattened)
     """True for a key the resume rule applies (see RESUME_APPLIED); run.steps too under a constant schedule
     (a run may be lengthened; under linear/cosine the schedule's length would change mid-run)."""
@@ -341,8 +332,8 @@ def check_resumable(folder: Path, config: dict, applied: tuple[str, ...] = ()) -
     recorded = saved_config(folder)
     if recorded is None:
         return []
-    saved = _flat(recorded)
-    now = _flat(json.loads(json.dumps(config)))  # (tuples as the saved JSON's lists)
+    saved = flat_keys(recorded)
+    now = flat_keys(json.loads(json.dumps(config)))  # (tuples as the saved JSON's lists)
     # (`now` has every auto decided for this device; a checkpoint written before the dtype was decided at the
     # start holds model.dtype auto, which says nothing of what it trained in)
     changed = [k for k in now if k in saved and saved[k] != now[k] and saved[k] != "auto"]

@@ -971,3 +971,14 @@ def _choices(annotation) -> str | None:
 
     walk(annotation)
     return " | ".join(dict.fromkeys(values)) if named and len(values) > 1 else None
+
+
+def flat_keys(d: dict, prefix: str = "") -> dict[str, object]:
+    """A nested recipe dict as its dotted keys (`{"a": {"b": 1}}` -> `{"a.b": 1}`)."""
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

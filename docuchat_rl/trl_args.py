@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .config import ConfigError
+from .config import ConfigError, flat_keys
 
 Mapper = Callable[[Any], dict[str, Any]]
 
@@ -322,7 +322,7 @@ def unshared_defaults(args, cfg) -> list[str]:
     kind = kind_of(args)
     table = SFT if kind == "sft" else GRPO
     default = _defaults(args)
-    flat = _flat(cfg.to_dict() if isinstance(cfg, Config) else cfg)
+    flat = flat_keys(cfg.to_dict() if isinstance(cfg, Config) else cfg)
     said = []
     for name, map_ in table.items():
         if name in NOT_SAID or not _same(getattr(args, name, None), getattr(default, name, None)):
@@ -337,12 +337,3 @@ def unshared_defaults(args, cfg) -> list[str]:
                         f"{', '.join(differs)})")
     return said
 
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
