@@ -296,6 +296,8 @@ class RolloutConfig(Section):
     """With tools: most assistant turns in a completion (1: calls are parsed and traced, never run)."""
     max_tool_calls: int = Field(8, ge=0)
     """With tools: most tool calls run per completion (0: none; a call past the limit is answered with an error)."""
+    turn_cache: bool = True
+    """With tools, our fast loop: each row's keys/values kept from one turn to its next, so a later turn prefills only its new tokens (the tool result); false: the whole conversation again at every turn (turn_cache.py)."""
     tool_timeout_s: float = Field(10.0, gt=0)
     """With tools: a call that has not returned in this many seconds is answered with a timeout error."""
     max_tool_result_tokens: int = Field(256, ge=1)
@@ -656,8 +658,8 @@ class Config(Section):
             raise ValueError("rollout.async_lag cannot be used with rollout.dynamic_sampling (its refill reads the "
                              "same step's rewards, which a fixed lag samples ahead of)")
         if not r.multi_turn:
-            moved = [k for k in ("max_turns", "max_tool_calls", "tool_timeout_s", "max_tool_result_tokens",
-                                 "tool_protocol") if getattr(r, k) != RolloutConfig.model_fields[k].default]
+            moved = [k for k in ("max_turns", "max_tool_calls", "turn_cache", "tool_timeout_s",
+                                 "max_tool_result_tokens", "tool_protocol") if getattr(r, k) != RolloutConfig.model_fields[k].default]
             if moved:  # (by value: a saved config holds every key)
                 raise ValueError(f"rollout.{moved[0]} applies to multi-turn rollouts (rollout.tools or "
                                  "rollout.environment_factory), and neither is set")

@@ -170,7 +170,7 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
     loaded (the Python API's), in place of loading model.name_or_path."""
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
-    place = _launch(cfg)
+    place = launch(cfg)
     # every `auto` decided for this device, once: the switches, and the dtype (a resume compares what they are)
     cfg = cfg.for_device(place.dist.device.type)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": place.dtype})})
@@ -179,7 +179,7 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
     applied = check_resumable(resume_dir, cfg.to_dict()) if resume_dir else []
     lock = None
     try:
-        lock = _agree(place.dist, _claim, out_dir, cfg.run.overwrite, resume_dir, place.dist.is_main)
+        lock = agree_on_main(place.dist, lock_output_dir, out_dir, cfg.run.overwrite, resume_dir, place.dist.is_main)
         if applied and place.dist.is_main and not quiet:
             print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
                   file=sys.stderr, flush=True)
@@ -204,7 +204,7 @@ def _recorded_sft_folder(cfg: Config, resume_dir: Path) -> Config:
     return cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"output_dir": recorded})})
 
 
-def _launch(cfg: Config) -> Placement:
+def launch(cfg: Config) -> Placement:
     """The processes the launcher started (one without a launcher) and the FSDP2 request, refused by name
     where the trainer cannot honour it."""
     from accelerate import Accelerator
@@ -230,7 +230,7 @@ def _launch(cfg: Config) -> Placement:
     return Placement(accelerator, dist, training_dtype(cfg.model.dtype, dist.device, bf16), sharding, [], [], None)
 
 
-def _agree(dist: Dist, fn, *args):
+def agree_on_main(dist: Dist, fn, *args):
     """`fn(*args)` (which may fail on one process only, e.g. the main one's folder checks), failing on every
     process if it failed on any, so that none is left waiting in a collective."""
     error, result = None, None
@@ -245,8 +245,8 @@ def _agree(dist: Dist, fn, *args):
     return result
 
 
-def _claim(out_dir: Path, overwrite: bool, resume_dir: Path | None, main: bool,
-           key: str = "run.output_dir") -> RunLock | None:
+def lock_output_dir(out_dir: Path, overwrite: bool, resume_dir: Path | None, main: bool,
+                    key: str = "run.output_dir") -> RunLock | None:
     """The output folder is writable, locked by this run, and (a new run) empty or overwritable; a resume
     writes only into its own run's folder from its newest checkpoint on, or into a new folder that starts
     with the history up to the checkpoint (never cutting another run's files)."""
@@ -313,7 +313,7 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     if start is not None and dist.is_main:  # (once it loaded: an adapter that does not fit is one line alone)
         print(f"docuchat-rl: the adapter starts from {describe_start(start)}", file=sys.stderr, flush=True)
     head = list(algo.critic.parameters()) if algo.critic is not None else []
-    opt, sched = _optimizer(params, cfg.optim, cfg.run.steps * cfg.algorithm.num_iterations
+    opt, sched = build_optimizer(params, cfg.optim, cfg.run.steps * cfg.algorithm.num_iterations
                             * (cfg.rollout.batch_rows // cfg.minibatch_rows),
                             head, getattr(cfg.algorithm, "critic_lr", None))
     # the model is not wrapped (no DDP): gradients are summed across processes per minibatch (distributed.py)
@@ -534,7 +534,7 @@ def start_adapters(cfg: Config, resume_dir: Path | None) -> tuple[Path | None, P
     return start, (start if needs_reference else None)
 
 
-def _optimizer(params, o: OptimConfig, total_updates: int, head: list | None = None, head_lr: float | None = None):
+def build_optimizer(params, o: OptimConfig, total_updates: int, head: list | None = None, head_lr: float | None = None):
     """The configured optimizer over `params` and transformers' schedule over `total_updates` steps; the
     parameters in `head` (the value head) in their own group at `head_lr` when one is given, the schedule
     scaling both groups alike."""

@@ -10,6 +10,8 @@
     python scripts/benchmark.py --config config/smollm2.yaml --steps 100 --repeats 1 --lengths natural --curve \
         --keep runs/paired --ours runs/lc/smollm2     # learning: TRL 100 steps beside our run, both evaluated
     python scripts/benchmark.py --shape qwen2.5-0.5b --lengths fixed --prompts 16 --max-new 256   # on a GPU
+    python scripts/benchmark.py --sft --steps 8 --warmup 2 --repeats 2   # `docuchat-rl sft` against TRL's SFTTrainer
+    python scripts/benchmark.py --config config/smollm2_tools.yaml --switches --flip rollout.turn_cache=false
 
 Robust to a noisy machine (the same TRL run has taken 2.65 and 3.58 s/step here): each side runs
 `--repeats` times, interleaved (ours, TRL, TRL, ours, ...: drift hits both alike), each run in its own
@@ -53,6 +55,13 @@ one speed switch at a time set to its plain path (SWITCHES), the variants interl
 table of each variant's s/step, rollout and update seconds, peak RSS and rollout tokens/s against the
 defaults (on a GPU, where the defaults are the plain paths: GPU_SWITCHES, each switch on; `--flip` names
 other variants). That table decides the `auto` switches per device (config.Config.for_device).
+
+`--sft` times the supervised stage instead: `docuchat-rl sft`'s step (config/smollm2_task_sft.yaml, or `--config`)
+against TRL's SFTTrainer on the same examples in the same batches (ours writes each step's prompt ids, target
+ids and loss mask; TRL gets them as pre-tokenized `input_ids` + `completion_mask` rows, sequential sampling,
+`completion_only_loss`), LoRA as the recipe's, per `--dtypes` (ours in that model.dtype; TRL's weights float32,
+`bf16=True` for a bf16 one): seconds a step, peak RSS, and both sides' loss at step 1 (the same batch from the
+same weights: LoRA's B starts at zero).
 
 On a GPU (docs/performance.md, "GPU"): both sides run there in bfloat16 (TRL: `bf16=True`, its model loaded
 in bfloat16), peak memory is torch's peak GPU allocation, and `--shape` gives both a random-weight model of
@@ -206,7 +215,32 @@ def run_ours(a) -> dict:
         "reward_per_step": [m["reward/mean"] for m in history],
         "reward_std_per_step": [m["reward/std"] for m in history],
         "mismatch_mean": statistics.mean(m["sampler/mismatch_mean"] for m in history),
+        # multi-turn recipes: prompt tokens the model ran over per step, every turn's (turn_cache.py)
+        "prefill_tokens": statistics.median(m["rollout/prefill_tokens"] for m in rest)
+        if "rollout/prefill_tokens" in rest[0] else None,
     }
+
+
+def step_clock(on_log=None):
+    """A TRL trainer callback timing each optimizer step (`.seconds`), calling `on_log(state, logs, seconds)` at
+    each log (TRL has no per-step timings of its own)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.begin, self.seconds = 0.0, []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.begin = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.seconds.append(time.perf_counter() - self.begin)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if on_log is not None:
+                on_log(state, logs, self.seconds)
+
+    return StepClock()
 
 
 def run_trl(a) -> dict:
@@ -215,7 +249,6 @@ def run_trl(a) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from docuchat_rl.data import load_examples, render_prompt
@@ -239,22 +272,12 @@ def run_trl(a) -> dict:
     micro = min(cfg.optim.micro_batch_size, rows_per_step)
     alg = cfg.algorithm
 
-    class StepClock(TrainerCallback):
-        def __init__(self):
-            self.begin, self.seconds = 0.0, []
+    def log_step(state, logs, seconds):
+        if keep and logs and "reward" in logs:  # a line per step as it ends: a run cut off keeps its steps
+            with open(keep / "steps.jsonl", "a") as f:
+                f.write(json.dumps({"step": state.global_step, "seconds": seconds[-1], **logs}) + "\n")
 
-        def on_step_begin(self, args, state, control, **kw):
-            self.begin = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            self.seconds.append(time.perf_counter() - self.begin)
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if keep and logs and "reward" in logs:  # a line per step as it ends: a run cut off keeps its steps
-                with open(keep / "steps.jsonl", "a") as f:
-                    f.write(json.dumps({"step": state.global_step, "seconds": self.seconds[-1], **logs}) + "\n")
-
-    clock = StepClock()
+    clock = step_clock(log_step)
     keep = kept(a, "trl")
     if keep:
         keep.mkdir(parents=True)
@@ -385,13 +408,13 @@ def print_switches(title: str, result: dict) -> None:
     width = max(map(len, result)) + 2
     print(title)
     print(f"  {'variant':<{width}}{'s/step':>8}{'spread':>13}{'vs defaults':>12}{'rollout s':>11}{'update s':>10}"
-          f"{'tok/s':>7}{'peak MB':>13}{'mismatch':>10}")
+          f"{'tok/s':>7}{'peak MB':>13}{'mismatch':>10}{'prefill tok':>12}")
     for name, r in result.items():
         ph = r["phases"]
         print(f"  {name:<{width}}{r['seconds_per_step']:>8.2f}{r['spread'][0]:>6.2f}-{r['spread'][1]:<6.2f}"
               f"{r['seconds_per_step'] / base['seconds_per_step']:>11.2f}x{ph.get('rollout', 0):>11.2f}"
               f"{ph.get('update', 0):>10.2f}{r['rollout_tokens_per_s']:>7.0f}{r['peak_mb']:>13.0f}"
-              f"{r['mismatch_mean']:>10.1e}")
+              f"{r['mismatch_mean']:>10.1e}{r.get('prefill_tokens') or '':>12}")
 
 
 def print_table(title: str, result: dict) -> None:
@@ -488,6 +511,116 @@ def print_curve(result: dict, window: int = 5) -> None:
         print(f"    steps {lo + 1:>3}-{hi:<3} " + " | ".join(cells))
 
 
+# ------------------------------------------------------------------------------------------- sft
+
+SFT_RECIPE = ROOT / "config" / "smollm2_task_sft.yaml"
+
+
+def sft_config(a, out: str):
+    """Our SFT stage's config for a run: the recipe's `sft` section at the benchmark's steps, dtype and threads."""
+    from docuchat_rl.config import load_config
+
+    return load_config(a.config or SFT_RECIPE, [f"run.output_dir={out}", f"sft.steps={a.steps}", f"model.dtype={a.dtype}",
+                                                f"run.threads={a.threads}", "run.seed=0", "logging.progress=false",
+                                                f"checkpoint.every={a.steps + 1}", *a.overrides])
+
+
+def run_sft_ours(a) -> dict:
+    """`docuchat-rl sft`'s steps (SupervisedTrainer); writes every step's examples (prompt ids, target ids, loss
+    mask) to `a.rows_file` for TRL's side."""
+    from docuchat_rl.supervised.trainer import SupervisedTrainer, batch_order
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = sft_config(a, out + "/run")
+        trainer = SupervisedTrainer(cfg)
+        steps = [[[t.prompt_ids, t.target_ids, t.loss_mask] for t in
+                  (trainer.targets[i] for i in batch_order(len(trainer.targets), cfg.sft.batch_size, k, cfg.run.seed))]
+                 for k in range(1, a.steps + 1)]
+        Path(a.rows_file).write_text(json.dumps({"micro": trainer.micro, "steps": steps}))
+        history = trainer.train()
+        trainer.close()
+    return {"seconds_per_step": statistics.median(after_warmup([m["time/step"] for m in history], a)),
+            "peak_mb": peak_mb(), "losses": [m["loss"] for m in history]}
+
+
+def run_sft_trl(a) -> dict:
+    """TRL's SFTTrainer on the examples our side wrote, in the same order and batches (pre-tokenized rows:
+    `input_ids` and `completion_mask`, so both sides score the same tokens), LoRA as the recipe's."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import SFTConfig, SFTTrainer
+
+    from docuchat_rl.modeling import load_model_and_tokenizer
+
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        cfg = sft_config(a, scratch)
+    saved = json.loads(Path(a.rows_file).read_text())
+    data = Dataset.from_list([{"input_ids": p + t, "completion_mask": [0] * len(p) + m}
+                              for step in saved["steps"] for p, t, m in step])
+    model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), "float32", "cpu")
+    s, micro = cfg.sft, saved["micro"]
+
+    clock = step_clock()
+    with tempfile.TemporaryDirectory() as out:
+        args = SFTConfig(output_dir=out, use_cpu=True, bf16=a.dtype != "float32", report_to="none", save_strategy="no",
+                         logging_steps=1, max_steps=a.steps, per_device_train_batch_size=micro,
+                         gradient_accumulation_steps=s.batch_size // micro, learning_rate=s.lr,
+                         warmup_steps=s.warmup_steps, lr_scheduler_type="linear",
+                         max_grad_norm=cfg.optim.max_grad_norm, train_sampling_strategy="sequential",
+                         completion_only_loss=True, max_length=None, seed=0, disable_tqdm=True)
+        trainer = SFTTrainer(model=model, processing_class=tok, args=args, train_dataset=data, callbacks=[clock],
+                             peft_config=LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
+                                                    lora_dropout=cfg.lora.dropout,
+                                                    target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM"))
+        trainer.train()
+    return {"seconds_per_step": statistics.median(after_warmup(clock.seconds, a)), "peak_mb": peak_mb(),
+            "losses": [r["loss"] for r in trainer.state.log_history if "loss" in r]}
+
+
+def sft_compare(a) -> dict:
+    """Per dtype: both sides `--repeats` times, interleaved (ours, TRL, TRL, ours, ...), each in its own process;
+    the median seconds per step, peak RSS, and step 1's loss on both (the same batch from the same weights)."""
+    report = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        rows = str(Path(scratch) / "rows.json")
+        for dtype in a.dtypes.split(","):
+            runs: dict[str, list[dict]] = {"ours": [], "trl": []}
+            for i in range(a.repeats):
+                for side in (["ours", "trl"] if i % 2 == 0 else ["trl", "ours"]):
+                    cmd = [sys.executable, __file__, "--sft", "--worker", side, "--dtype", dtype, "--rows-file", rows,
+                           "--steps", str(a.steps), "--warmup", str(a.warmup), "--threads", str(a.threads),
+                           *(["--config", str(a.config)] if a.config else []),
+                           *[x for o in a.overrides for x in ("--set", o)]]
+                    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+                    if done.returncode != 0:
+                        raise SystemExit(f"sft {side} ({dtype}) failed:\n{done.stderr[-3000:]}")
+                    runs[side].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    print(f"# sft {side} {dtype}: {runs[side][-1]['seconds_per_step']:.2f} s/step, "
+                          f"peak {runs[side][-1]['peak_mb']:.0f} MB", file=sys.stderr, flush=True)
+            med = {side: statistics.median(r["seconds_per_step"] for r in rs) for side, rs in runs.items()}
+            report[dtype] = {
+                "ours_s": med["ours"], "trl_s": med["trl"], "ratio": med["ours"] / med["trl"],
+                "paired": [o["seconds_per_step"] / t["seconds_per_step"] for o, t in zip(runs["ours"], runs["trl"])],
+                "ours_peak_mb": statistics.median(r["peak_mb"] for r in runs["ours"]),
+                "trl_peak_mb": statistics.median(r["peak_mb"] for r in runs["trl"]),
+                "loss_step1": [runs["ours"][0]["losses"][0], runs["trl"][0]["losses"][0]]}
+    return report
+
+
+def print_sft(a, report: dict) -> None:
+    print(f"{time.strftime('%Y-%m-%d')}: sft, {a.config or SFT_RECIPE.relative_to(ROOT)}, {a.steps} steps "
+          f"({a.warmup} warm-up), {a.repeats} runs a side, {a.threads} threads")
+    print(f"  {'dtype':<16}{'ours s':>8}{'TRL s':>8}{'ratio':>7}{'paired':>15}{'ours MB':>9}{'TRL MB':>9}"
+          f"{'memory':>8}{'step-1 loss ours / TRL':>34}")
+    for dtype, r in report.items():
+        lo, hi = min(r["paired"]), max(r["paired"])
+        print(f"  {dtype:<16}{r['ours_s']:>8.2f}{r['trl_s']:>8.2f}{r['ratio']:>7.2f}{f'{lo:.2f}-{hi:.2f}':>15}"
+              f"{r['ours_peak_mb']:>9.0f}{r['trl_peak_mb']:>9.0f}{r['ours_peak_mb'] / r['trl_peak_mb']:>7.2f}x"
+              f"{r['loss_step1'][0]:>17.6f} / {r['loss_step1'][1]:.6f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=None,
@@ -529,8 +662,25 @@ def main() -> None:
     ap.add_argument("--ours", type=Path, default=None, metavar="RUN",
                     help="with --keep: our side from this finished run of the recipe (its checkpoint at --steps), "
                          "not run again")
+    ap.add_argument("--sft", action="store_true",
+                    help="the supervised stage instead: `docuchat-rl sft`'s step against TRL's SFTTrainer on the same "
+                         "examples (--config: an SFT recipe, default config/smollm2_task_sft.yaml)")
+    ap.add_argument("--dtypes", default="float32,bf16-autocast", help="with --sft: our model.dtype per comparison "
+                    "(TRL: float32 weights, bf16=True for a bf16 one)")
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # (an sft worker's)
+    ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)  # (an sft worker's examples)
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.sft:
+        if a.worker:
+            print(json.dumps(run_sft_ours(a) if a.worker == "ours" else run_sft_trl(a)))
+            return
+        report = sft_compare(a)
+        if a.json:
+            print(json.dumps(report))
+        else:
+            print_sft(a, report)
+        return
     fill_settings(a)
     if a.config and a.lengths != "fixed" and a.only != "ours" and not a.worker:
         from docuchat_rl.config import load_config

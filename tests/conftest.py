@@ -23,6 +23,14 @@ def tiny():
     return load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
 
 
+@pytest.fixture(scope="session")
+def taught(tmp_path_factory):
+    """The embedded default taught to call the `add` tool (tests/multiturn_model.py), once per session."""
+    from .multiturn_model import teach_tool_calls
+
+    return teach_tool_calls(tmp_path_factory.mktemp("taught"))
+
+
 def tiny_arch(name, tok):
     """Tiny random-weight configs of real architectures with the default model's tokenizer."""
     import torch

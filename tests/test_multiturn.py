@@ -25,7 +25,7 @@ from docuchat_rl.sampling.multiturn import (
 from docuchat_rl.trainer import Trainer, TrainingError
 
 from .conftest import MODEL, ROOT
-from .multiturn_model import CALL, teach_tool_calls
+from .multiturn_model import CALL
 from .test_trainer import cfg_for, untimed
 
 # Qwen2.5's tool-calling template, cut to what it renders for tools, assistant calls and tool results
@@ -49,11 +49,6 @@ def tok():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(MODEL)
-
-
-@pytest.fixture(scope="session")
-def taught(tmp_path_factory):
-    return teach_tool_calls(tmp_path_factory.mktemp("taught"))
 
 
 def _source():

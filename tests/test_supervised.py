@@ -19,7 +19,8 @@ from docuchat_rl.config import load_config
 from docuchat_rl.data import DataError
 from docuchat_rl.modeling import load_model_and_tokenizer
 from docuchat_rl.supervised.targets import Target, check_held_out
-from docuchat_rl.supervised.trainer import SupervisedTrainer, batch_order, build_targets, nll_sum
+from docuchat_rl.supervised.loss import nll_sum
+from docuchat_rl.supervised.trainer import SupervisedTrainer, batch_order, build_targets
 
 from .conftest import MODEL, ROOT, tiny_arch_folder, with_lora
 
@@ -62,7 +63,7 @@ def reference_nll(model, target: Target) -> float:
 
 @pytest.mark.parametrize("arch", ["default", "qwen2", "gemma2", "mistral", "gpt2"])
 def test_the_loss_is_the_target_tokens_nll_of_a_slow_reference_loop(tmp_path, arch):
-    """nll_sum (the RL learner's forward, padded, length-bucketed, logits chunked) equals a per-example loop over
+    """nll_sum (whole examples right-padded, length-bucketed, logits chunked) equals a per-example loop over
     the unpadded sequences that sums -log p of the loss tokens only: prompt tokens and masked tokens are out."""
     folder = MODEL if arch == "default" else tiny_arch_folder(arch, tmp_path / arch)
     model, tok = load_model_and_tokenizer(str(folder), dtype="float32", device="cpu")
@@ -82,6 +83,8 @@ def test_the_loss_is_the_target_tokens_nll_of_a_slow_reference_loop(tmp_path, ar
 
 def test_masked_target_tokens_get_exactly_zero_gradient(tiny):
     """The hidden state that predicts a masked (tool-result) token gets no gradient at all from the loss."""
+    from docuchat_rl.learning.forward import decoder_stack
+
     model, tok = tiny
     pm = with_lora(model, ["q_proj", "v_proj"])
     try:
@@ -89,14 +92,15 @@ def test_masked_target_tokens_get_exactly_zero_gradient(tiny):
         mask = [1, 1, 0, 0, 0, 1, 1] + [1] * (len(ids) - 7)
         target = Target(0, "t", tok("Q: 1 + 1?", add_special_tokens=False)["input_ids"], ids, mask)
         seen = {}
-        head = pm.get_output_embeddings()
-        hook = head.register_forward_hook(lambda m, args, out: seen.setdefault("h", args[0]).retain_grad())
+        final = decoder_stack(pm).norm  # (the last hidden states, before the output layer)
+        hook = final.register_forward_hook(lambda m, args, out: seen.setdefault("h", out).retain_grad())
         try:
             total, _ = nll_sum(pm, [target], tok.pad_token_id, 0, 1)
             total.backward()
         finally:
             hook.remove()
-        grad = seen["h"].grad[0]  # [T, H]: the hidden state predicting target token j
+        p = len(target.prompt_ids)
+        grad = seen["h"].grad[0, p - 1:p - 1 + len(ids)]  # [T, H]: the hidden state predicting target token j
         zero = [j for j, m in enumerate(mask) if not m]
         assert torch.count_nonzero(grad[zero]) == 0
         assert all(grad[j].abs().sum() > 0 for j, m in enumerate(mask) if m)

@@ -104,7 +104,7 @@ def _shared_prompt_forward(model, batch: Batch, parts: list[tuple[list[int] | No
         return None
     device = batch.input_ids.device
     first_t = torch.tensor(first).to(device)  # [U]
-    decoder = _decoder(model)
+    decoder = decoder_stack(model)
     p_ids, p_mask = batch.input_ids[first_t, :lp], batch.attention_mask[first_t, :lp]  # [U, Lp]
     head = decoder(input_ids=p_ids, attention_mask=p_mask, position_ids=position_ids(p_mask), use_cache=True)
     positions = position_ids(batch.attention_mask)[:, lp:]  # [R, T]
@@ -143,7 +143,7 @@ def _own_cache(cache):
     return own
 
 
-def _decoder(model):
+def decoder_stack(model):
     """The decoder stack under the output head (transformers' `base_model`: Llama's `model`, GPT-2's
     `transformer`): it returns the last hidden state only, where `output_hidden_states` would keep every
     layer's alive. LoRA layers live inside it, so adapters (and `disable_adapter`) apply as in the full model."""
@@ -232,7 +232,7 @@ def output_head(model):
 def _plain_forward(model, batch: Batch) -> torch.Tensor:
     """Last hidden states [R, T, H] at the positions predicting each completion token, one sequence a row."""
     t = batch.completion_mask.shape[1]
-    out = _decoder(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+    out = decoder_stack(model)(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                           position_ids=position_ids(batch.attention_mask), use_cache=False)
     return out.last_hidden_state[:, -t - 1:-1, :]  # [R, T, H]: position j predicts completion token j
 

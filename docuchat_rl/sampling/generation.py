@@ -46,6 +46,7 @@ from .draw import block_draw
 from .decoding import Decoding
 from .grouped_decode import GroupedSteps, additive_mask, plain_full_attention, supports
 from .static_decode import static_chunk
+from .turn_cache import Kept, TurnCache, open_cache
 
 DONE_CHECK_EVERY = 8  # the decode loop asks whether every row has finished every this many tokens
 
@@ -73,6 +74,8 @@ class Generation:
     environments: list | None = None  # per row, its environment instance (rewards get them as `environments`)
     dropped_groups: tuple[int, ...] = ()  # prompts (of these rows, in order) whose environment failed to reset
     observations: list[str | None] | None = None  # per row, its environment's first observation as appended
+    prefill_tokens: int | None = None  # multi-turn: prompt tokens the model was run over, every turn's
+    cached_tokens: int | None = None  # multi-turn: prompt tokens taken from kept keys/values (turn_cache.py)
 
 
 @dataclass
@@ -199,6 +202,13 @@ class _ModelSteps:
         self.cache.reorder_cache(keep)  # (transformers' own row selection: index_select in every layer)
         self.mask, self.next_pos = self.mask[keep], self.next_pos[keep]
 
+    def row_kv(self, j: int, u: int, fed: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer: decoding row j's prompt keys and values [H, Lp, D] and its first `fed` completion
+        positions' [H, fed, D] (turn_cache.py; a droppable cache only)."""
+        lp = self.prompt_len
+        return [(x.keys[j, :, :lp], x.values[j, :, :lp], x.keys[j, :, lp:lp + fed], x.values[j, :, lp:lp + fed])
+                for x in self.cache.layers]
+
     def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Logits [r, V] after tokens [r] at completion position t (0-based) of each row still decoding."""
         out = self.model(input_ids=tokens[:, None], attention_mask=self.mask[..., :self.prompt_len + t + 1],
@@ -209,15 +219,20 @@ class _ModelSteps:
 
 def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, min_new_tokens, do_sample,
                 processors, stop, pad, uniforms=None, lockstep=None,
-                grouped: bool = True, static: bool = False, compiled: bool = False, fused: bool = False
+                grouped: bool = True, static: bool = False, compiled: bool = False, fused: bool = False,
+                kept: list[Kept | None] | None = None, keep_to: TurnCache | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completion ids [U * repeats, <= max_new_tokens] (pad after a row's EOS) for U left-padded prompts,
     and the sampler's log-prob of each [same shape]. With `lockstep` (sharded weights) decoding goes on
     while any process still has a row to finish. `grouped`: decode with `grouped_decode.GroupedSteps`
     where the model is one it covers; `static`: with `static_decode.static_chunk` (CUDA graphs on a GPU),
-    its step compiled by torch.compile when `compiled`, its projections fused when `fused`."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                use_cache=True, logits_to_keep=1)
+    its step compiled by torch.compile when `compiled`, its projections fused when `fused`. `kept`: per
+    prompt, the keys/values of its first ids (turn_cache.py; only those after them are prefilled);
+    `keep_to`: the TurnCache each row's keys/values go to as it stops decoding (where the decode can)."""
+    prompts = None  # each prompt's ids, unpadded (the keys of the rows kept for their next turn)
+    if keep_to is not None:
+        prompts = [row[m.bool()].tolist() for row, m in zip(input_ids, attention_mask)]
+    out, attention_mask = _prefill(model, input_ids, attention_mask, kept)
     if static and lockstep is None and supports(model, cache_of(out)):
         return static_chunk(model, cache_of(out), out.logits[:, -1], attention_mask, repeats=repeats,
                             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, do_sample=do_sample,
@@ -233,6 +248,7 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
     logps = torch.zeros(rows, max_new_tokens, device=input_ids.device)  # [R, N]
     alive = None  # [r]: the rows still decoding, once finished ones were dropped (None: every row)
     compact = lockstep is None and decode.droppable
+    keeper = _Keeper(keep_to, decode, attention_mask, prompts, repeats, stop) if keep_to and compact else None
     steps = 0
     for t in range(max_new_tokens):
         if t < min_new_tokens:  # no EOS yet, as transformers' MinNewTokensLengthLogitsProcessor
@@ -250,13 +266,76 @@ def _fast_chunk(model, input_ids, attention_mask, *, repeats, max_new_tokens, mi
             if not (lockstep(going) if lockstep else going):
                 break
             if compact and finished * 4 >= done.numel():  # a quarter or more have ended: decode without them
-                keep = (~done).nonzero().squeeze(-1)  # [r']
-                alive = keep if alive is None else alive[keep]
-                decode.drop(keep)
-                done, nxt = done[keep], nxt[keep]
-                uniforms = None if uniforms is None else uniforms[keep]
+                if keeper is not None:  # (the rows leaving hand their keys/values to the turn cache first)
+                    keeper.rows(done.nonzero().squeeze(-1).tolist(), alive, tokens)
+                going_on = (~done).nonzero().squeeze(-1)  # [r']
+                alive = going_on if alive is None else alive[going_on]
+                decode.drop(going_on)
+                done, nxt = done[going_on], nxt[going_on]
+                uniforms = None if uniforms is None else uniforms[going_on]
         logits = decode(nxt, t)  # [r, V]
+    if keeper is not None:
+        keeper.rows(list(range(done.numel())), alive, tokens[:, :steps])
     return tokens[:, :steps], logps[:, :steps]  # [R, steps], [R, steps]
+
+
+def _prefill(model, input_ids, attention_mask, kept: list[Kept | None] | None):
+    """(the prefill's output, the attention mask [U, L'] its cache is read with): the model over the prompts
+    [U, L] (left-padded), or, where `kept` holds a prompt's first ids' keys/values (turn_cache.py), over the
+    rest of each prompt only, the kept keys/values left-padded to the longest before them."""
+    if not kept or not any(kept):
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                     use_cache=True, logits_to_keep=1), attention_mask
+    from transformers import DynamicCache
+
+    lengths = attention_mask.sum(1).tolist()
+    reused = [k.length if k else 0 for k in kept]
+    new = [n - p for n, p in zip(lengths, reused)]  # (>= 1 each: TurnCache.take leaves a token)
+    width_kept, width_new = max(reused), max(new)
+    cols = torch.arange(width_kept + width_new, device=input_ids.device)  # [L']
+    edge = torch.tensor([width_kept - p for p in reused], device=input_ids.device)  # [U]
+    starts = torch.tensor([width_kept + width_new - n for n in new], device=input_ids.device)  # [U]
+    mask = ((cols >= edge[:, None]) & (cols < width_kept)) | (cols >= starts[:, None])  # [U, L']
+    mask = mask.to(attention_mask.dtype)
+    cache = DynamicCache(config=model.config)
+    first = next(k for k in kept if k)
+    for i, (k0, _) in enumerate(first.layers):
+        keys = k0.new_zeros(len(kept), k0.shape[0], width_kept, k0.shape[-1])  # [U, KV, Lk, D]
+        values = torch.zeros_like(keys)
+        for u, k in enumerate(kept):
+            if k:
+                keys[u, :, width_kept - k.length:] = k.layers[i][0]
+                values[u, :, width_kept - k.length:] = k.layers[i][1]
+        cache.update(keys, values, i)
+    out = model(input_ids=input_ids[:, -width_new:], attention_mask=mask,  # [U, Ln] of each prompt's last ids
+                position_ids=position_ids(mask)[:, width_kept:], use_cache=True, logits_to_keep=1,
+                **with_cache(model, cache))
+    return out, mask
+
+
+class _Keeper:
+    """Hands each row's keys/values to a TurnCache as the row stops decoding: its prompt's (the positions the
+    attention mask holds) and its completion's up to the last token it fed (the token that ended it never
+    went through the model), keyed by those ids."""
+
+    def __init__(self, to: TurnCache, decode, attention_mask: torch.Tensor, prompts: list[list[int]], repeats: int,
+                 stop: list[int]):
+        self.to, self.decode, self.prompts, self.g, self.stop = to, decode, prompts, repeats, set(stop)
+        self.positions = [m.nonzero().squeeze(-1) for m in attention_mask]  # per prompt [its length]
+
+    def rows(self, now: list[int], alive: torch.Tensor | None, tokens: torch.Tensor) -> None:
+        """Keep rows `now` (indices among the rows still decoding; `alive` maps them to output rows)."""
+        if not now:
+            return
+        where = now if alive is None else alive[now].tolist()
+        for j, row in zip(now, where):
+            ids = tokens[row].tolist()
+            fed = next((t for t, x in enumerate(ids) if x in self.stop), len(ids) - 1)
+            u = row // self.g
+            kv = [(pk.index_select(1, self.positions[u]), pv.index_select(1, self.positions[u]), k, v)
+                  for pk, pv, k, v in self.decode.row_kv(j, u, fed)]
+            self.to.put(self.prompts[u] + ids[:fed], [(torch.cat([pk, k], 1), torch.cat([pv, v], 1))
+                                                     for pk, pv, k, v in kv])
 
 
 @contextlib.contextmanager
@@ -315,6 +394,12 @@ def _generate(model, tokenizer, prompts, d: Decoding, row_seeds, lockstep) -> Ge
     if row_seeds is not None and len(row_seeds) != len(prompts) * num_return_sequences:
         raise ValueError(f"{len(row_seeds)} row seeds for {len(prompts) * num_return_sequences} rows")
     starts = list(range(0, len(prompts), per_call))
+    turns = open_cache()  # a multi-turn call's kept keys/values (turn_cache.py), where this loop can use them
+    keeps = turns if turns is not None and turns.keep and loop == "fast" and not d.cuda_graphs and not lockstep else None
+    taken = None  # per prompt, its kept keys/values (a later turn's rows: token ids)
+    if keeps is not None and prompts and not isinstance(prompts[0], str):
+        taken = [keeps.take(list(p)) for p in prompts]
+        keeps.entries.clear()  # (the rows not continued now ended at their last turn: nothing takes them later)
     k = 0
     while lockstep(k < len(starts)) if lockstep else k < len(starts):
         if k >= len(starts):  # out of prompts: join the other processes' model calls
@@ -333,6 +418,11 @@ def _generate(model, tokenizer, prompts, d: Decoding, row_seeds, lockstep) -> Ge
         k += 1
         chunk = prompts[start:start + per_call]
         enc = _encode(tokenizer, chunk, pad, device)
+        kept = taken[start:start + per_call] if taken is not None else None
+        if turns is not None:
+            reused = sum(x.length for x in kept if x) if kept else 0
+            turns.prefilled += int(enc["attention_mask"].sum()) - reused
+            turns.reused += reused
         uniforms = None
         if row_seeds is not None and do_sample:
             first = start * num_return_sequences
@@ -342,7 +432,8 @@ def _generate(model, tokenizer, prompts, d: Decoding, row_seeds, lockstep) -> Ge
                                      max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                      do_sample=do_sample, processors=processors, stop=stop, pad=pad,
                                      uniforms=uniforms, lockstep=lockstep, grouped=d.grouped_decode,
-                                     static=d.cuda_graphs, compiled=d.compile_decode, fused=d.fused_projections)
+                                     static=d.cuda_graphs, compiled=d.compile_decode, fused=d.fused_projections,
+                                     kept=kept, keep_to=keeps)
         else:
             new, logps = _hf_chunk(model, enc, do_sample=do_sample, max_new_tokens=max_new_tokens,
                                    min_new_tokens=min_new_tokens, num_return_sequences=num_return_sequences,

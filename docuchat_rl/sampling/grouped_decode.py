@@ -155,6 +155,7 @@ class GroupedSteps:
         device = attention_mask.device.type
         self.compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         cast = (lambda x: x.to(self.compute)) if self.compute else (lambda x: x)
+        self.kv_dtype = prefill_cache.layers[0].keys.dtype  # (the model's own: what a turn cache keeps)
         self.prompt_keys = [cast(layer.keys) for layer in prefill_cache.layers]  # per layer [U, KV, Lp, D]
         self.prompt_values = [cast(layer.values) for layer in prefill_cache.layers]
         first = self.prompt_keys[0]
@@ -175,6 +176,13 @@ class GroupedSteps:
             for i, buf in enumerate(bufs):
                 bufs[i] = buf[:n]  # the kept rows move to the front of the same buffer (no new allocation)
                 bufs[i][:, :, :filled].copy_(buf[:, :, :filled].index_select(0, keep))
+
+    def row_kv(self, j: int, u: int, fed: int) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer: decoding row j's prompt (prompt u) keys and values [KV, Lp, D] and its first `fed`
+        completion positions' [KV, fed, D] (turn_cache.py)."""
+        d = self.kv_dtype
+        return [(pk[u].to(d), pv[u].to(d), k[j, :, :fed].to(d), v[j, :, :fed].to(d))
+                for pk, pv, k, v in zip(self.prompt_keys, self.prompt_values, self.keys, self.values)]
 
     def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Logits [r, V] after tokens [r] at completion position t (0-based) of each row still decoding."""

@@ -57,6 +57,7 @@ from typing import Any
 from ..errors import ToolError
 from ..traces import NOT_RUN
 from .generation import Generation
+from .turn_cache import turn_cache
 
 TEXT_SYSTEM = ("Tools:\n{tools}\nTo call a tool, write <tool_call>{{\"name\": \"tool\", \"arguments\": {{...}}}}"
                "</tool_call>; its result comes back in <tool_response></tool_response>.")
@@ -612,12 +613,13 @@ class MultiTurn:
 
     def __init__(self, source: ToolSource, protocol: Protocol, limits: TurnLimits, group_size: int,
                  system_prompt: str | None = None, prompt_column: str = "question", answer_column: str | None = "answer",
-                 few_shot: list[dict] | tuple = (), max_prompt_tokens: int = 512):
+                 few_shot: list[dict] | tuple = (), max_prompt_tokens: int = 512, keep_cache: bool = True):
         self.source, self.protocol, self.limits, self.g = source, protocol, limits, group_size
         self.max_prompt_tokens = max_prompt_tokens  # a prompt with its first observation fits this (the rest is cut)
         self.system_prompt, self.prompt_column, self.answer_column = system_prompt, prompt_column, answer_column
         self.few_shot = list(few_shot)
         self.script: dict[int, list[dict]] | None = None  # replay: row seed -> its traced turns (run_turns)
+        self.keep_cache = keep_cache  # a row's keys/values kept from one turn to its next (turn_cache.py)
 
     def turns(self, example) -> list[dict]:
         """The example's prompt messages: the system prompt, the few-shot turns, its question."""
@@ -678,16 +680,18 @@ class MultiTurn:
         g = group_size or self.g
         rows = [self.reset_row(e) for e in examples for _ in range(g)]
         envs, observations, failed = reset_environments(self.source.environment, rows, g)
-        if any(o for o in observations):
-            ids, observations = self.observed_prompts([e for e in examples for _ in range(g)], observations)
-            gen = more(ids, seeds, self.limits.max_new_tokens)
-        else:
-            gen = first(idx)
         named = [{getattr(f, "__name__", str(f)): f for f in self.source.functions} for _ in rows]
         for tools, env in zip(named, envs):
             if env is not None:
                 tools.update({m.__name__: m for m in environment_methods(env)})
-        out = run_turns(gen, more, seeds, named, self.protocol, self.limits, self.script)
+        with turn_cache(self.keep_cache) as kept:  # (each row's keys/values from one turn to its next)
+            if any(o for o in observations):
+                ids, observations = self.observed_prompts([e for e in examples for _ in range(g)], observations)
+                gen = more(ids, seeds, self.limits.max_new_tokens)
+            else:
+                gen = first(idx)
+            out = run_turns(gen, more, seeds, named, self.protocol, self.limits, self.script)
+        out.prefill_tokens, out.cached_tokens = kept.prefilled, kept.reused
         out.environments, out.dropped_groups = envs, tuple(sorted(failed))
         out.observations = observations
         return out
@@ -725,7 +729,7 @@ def multiturn_from_config(cfg, tokenizer, max_new_tokens: int | None = None, gro
                         r.max_tool_result_tokens)
     return MultiTurn(source, protocol, limits, group_size or r.num_generations, cfg.data.system_prompt,
                      cfg.data.prompt_column, cfg.data.answer_column, cfg.data.few_shot_turns,
-                     prompt_limit(cfg.data.max_prompt_tokens, context_len, limits.max_new_tokens))
+                     prompt_limit(cfg.data.max_prompt_tokens, context_len, limits.max_new_tokens), r.turn_cache)
 
 
 def prompt_limit(max_prompt_tokens: int, context_len: int | None, max_new_tokens: int) -> int:

@@ -84,6 +84,8 @@ class Rollout:
     policy_version: int | None = None  # the sampling policy: the adapter after this step (Trainer.collect)
     sampler_seconds: float | None = None  # sampled ahead (a fixed lag): the engine's seconds, overlapping the update
     data_metrics: dict[str, float | None] = field(default_factory=dict)  # data.difficulty's (DifficultySampler.metrics)
+    prefill: tuple[int, int] | None = None  # multi-turn: (prompt tokens prefilled, taken from kept keys/values)
+    # by this process over the step's turns (turn_cache.py)
 
     @property
     def used(self) -> list[Completion]:
@@ -215,6 +217,7 @@ class Collector:
         completions: list[Completion] = []
         logged: dict[str, list[float]] = {}
         kept = rounds = sampled = 0  # over all processes
+        prefill = None  # multi-turn: this process's (prefilled, reused) prompt tokens over the rounds
         while True:
             n = r.prompts_per_step - kept if r.dynamic_sampling else r.prompts_per_step
             lo, hi = dist.share(n)
@@ -227,6 +230,8 @@ class Collector:
             if idx or self.lockstep:  # (sharded generation: a process without prompts joins the others' calls)
                 with timer("rollout"):
                     gen, texts = self.sample(model, idx, seeds, version, step)
+            if idx and gen.prefill_tokens is not None:
+                prefill = (prefill or (0, 0))[0] + gen.prefill_tokens, (prefill or (0, 0))[1] + gen.cached_tokens
             if idx:
                 with timer("score"):
                     result = score(self.reward, examples, texts, gen, self.trainer_state(step))
@@ -261,7 +266,7 @@ class Collector:
             rounds += 1
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
                 metrics = self.sampler.metrics() if isinstance(self.sampler, DifficultySampler) else {}
-                return Rollout(completions, sampled, kept, logged, data_metrics=metrics)
+                return Rollout(completions, sampled, kept, logged, data_metrics=metrics, prefill=prefill)
 
     def data_state(self, step: int) -> dict:
         """The data position after step `step`'s prompts were taken (what a checkpoint of `step` holds; a

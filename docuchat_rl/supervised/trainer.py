@@ -1,8 +1,8 @@
 """The supervised stage (`docuchat-rl sft`): fine-tune the recipe's LoRA adapter on targets after the RL prompts.
 
-One step takes `sft.batch_size` examples in a seeded epoch-wise order, scores their target tokens with the
-RL learner's own forward (`learning.forward.policy_forward`: the same positions, logit chunking and length
-buckets, at temperature 1), and takes one optimizer step on the mean negative log-likelihood per loss token
+One step takes `sft.batch_size` examples in a seeded epoch-wise order, scores their target tokens (each
+example one right-padded sequence, positions as RL's, the RL learner's logit chunking and length buckets, at
+temperature 1: `loss.nll_sum`), and takes one optimizer step on the mean negative log-likelihood per loss token
 (prompt and tool-result tokens carry none). The run folder is a run folder like `train`'s: checkpoints
 (adapter, tokenizer, run_config.json, trainer_state.json, accelerate's optimizer/scheduler/RNG states,
 manifest, `latest`), `metrics.jsonl` (one line a step), `eval.json` (the held-out set before and after),
@@ -46,15 +46,14 @@ from ..checkpoint import (
 from ..config import Config, ConfigError
 from ..data import load_examples, load_split
 from ..errors import CheckpointError, Preempted, TrainingError
-from ..learning.batch import build_batch
-from ..learning.forward import policy_forward
 from ..learning.fused_lora import fuse_lora
 from ..modeling import end_of_turn, eos_ids
 from ..outputs import JsonlWriter
 from ..preemption import Preemption
 from ..progress import Progress
-from ..run import _agree, _claim, _launch, _optimizer, policy_model
+from ..run import agree_on_main, build_optimizer, launch, lock_output_dir, policy_model
 from ..sampling.multiturn import ToolError, multiturn_from_config
+from .loss import nll_sum
 from .targets import (Builder, Target, check_held_out, check_lengths, fingerprint, jsonl_targets, memory_targets,
                       rl_prompt_ids)
 
@@ -111,17 +110,6 @@ def batch_order(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     return out
 
 
-def nll_sum(model, targets: list[Target], pad_id: int, logit_chunk: int, length_buckets: int) -> tuple[torch.Tensor, int]:
-    """(the summed negative log-likelihood of the targets' loss tokens, how many there are), from the RL
-    learner's forward at temperature 1."""
-    batch = build_batch([t.prompt_ids for t in targets], [t.target_ids for t in targets], [0.0] * len(targets),
-                        list(range(len(targets))), pad_id, model_masks=[t.loss_mask for t in targets])
-    batch = batch.to(next(model.parameters()).device)
-    out = policy_forward(model, batch, logit_chunk=logit_chunk, length_buckets=length_buckets)
-    mask = batch.completion_mask  # [R, T]: target tokens, tool results 0
-    return -(out.logps * mask).sum(), sum(sum(t.loss_mask) for t in targets)  # (counted on the host: no device read)
-
-
 class SupervisedTrainer:
     """A started SFT run: `train()` runs the steps, `evaluate()` the held-out set; the same surface as the RL
     Trainer, so that the command runs both stages alike (`step`, `steps`, `is_main`, `preemption`, `close`)."""
@@ -135,14 +123,14 @@ class SupervisedTrainer:
             raise ConfigError("the recipe has no sft section: add one (docs/sft.md), e.g. --set sft.source=answers")
         self.out_dir = Path(cfg.sft_dir)
         resume_dir = resolve_resume(resume, self.out_dir) if resume else None
-        self.place = place = _launch(cfg)
+        self.place = place = launch(cfg)
         if place.dist.world > 1 or place.sharding:
             raise TrainingError("docuchat-rl sft trains in one process (train is the stage that runs on several)")
         cfg = cfg.for_device(place.dist.device.type)
         self.cfg = cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": place.dtype})})
         applied = check_resumable(resume_dir, cfg.to_dict(), ("sft.output_dir",)) if resume_dir else []
         self.dist, self.is_main = place.dist, True
-        self.lock = _agree(place.dist, _claim, self.out_dir, cfg.run.overwrite, resume_dir, True, "sft.output_dir")
+        self.lock = agree_on_main(place.dist, lock_output_dir, self.out_dir, cfg.run.overwrite, resume_dir, True, "sft.output_dir")
         try:
             if applied:
                 print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
@@ -168,7 +156,7 @@ class SupervisedTrainer:
         data = fingerprint(self.targets)
         self.steps = s.steps or max(1, math.ceil((s.epochs or 1.0) * len(self.targets) / s.batch_size))
         optim = cfg.optim.model_copy(update={"lr": s.lr, "schedule": s.schedule, "warmup_steps": s.warmup_steps})
-        opt, sched = _optimizer(self.params, optim, self.steps)
+        opt, sched = build_optimizer(self.params, optim, self.steps)
         acc = self.place.accelerator
         self.optimizer, self.scheduler = acc.prepare(opt, sched)
         acc.register_save_state_pre_hook(lambda models, weights, d: weights.clear())
