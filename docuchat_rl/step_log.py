@@ -57,10 +57,10 @@ class StepLog:
             m["rollout_sampler_s"] = rollout_s  # (the engine's, overlapping the update before; time/rollout: the wait)
         m["rollout_tokens_per_s"] = float(sum(r.completion_tokens for r in records) / rollout_s) if rollout_s else None
         if self.cfg.rollout.multi_turn:  # (the prompt tokens the model ran over, every turn of every process; and
-            # those a kept cache spared it: turn_cache.py)
-            pairs = dist.gather([rollout.prefill or (0, 0)])
-            m["rollout/prefill_tokens"] = sum(p for p, _ in pairs)
-            m["rollout/cached_tokens"] = sum(c for _, c in pairs)
+            # those a kept cache spared it: turn_cache.py; None where the engine counts none, vLLM's)
+            pairs = [p for p in dist.gather([rollout.prefill]) if p is not None]
+            m["rollout/prefill_tokens"] = sum(p for p, _ in pairs) if pairs else None
+            m["rollout/cached_tokens"] = sum(c for _, c in pairs) if pairs else None
         for phase, s in timer.seconds.items():
             m[f"time/{phase}"] = s
         if run.outputs.metrics is not None:

@@ -217,7 +217,7 @@ def run_ours(a) -> dict:
         "mismatch_mean": statistics.mean(m["sampler/mismatch_mean"] for m in history),
         # multi-turn recipes: prompt tokens the model ran over per step, every turn's (turn_cache.py)
         "prefill_tokens": statistics.median(m["rollout/prefill_tokens"] for m in rest)
-        if "rollout/prefill_tokens" in rest[0] else None,
+        if rest[0].get("rollout/prefill_tokens") is not None else None,
     }
 
 

@@ -165,6 +165,8 @@ def test_a_run_killed_between_the_turns_of_a_step_resumes_to_the_uninterrupted_r
     full = Trainer(cfg_for(tmp_path / "full", *sets))
     full.train()
     full.close()
+    metrics = read_jsonl(tmp_path / "full" / "metrics.jsonl")  # (what each step prefilled, what it was spared)
+    assert all(m["rollout/prefill_tokens"] > 0 for m in metrics) and any(m["rollout/cached_tokens"] for m in metrics)
     ran_in_step_1 = sum(c["error"] is None for r in read_jsonl(tmp_path / "full" / "traces.jsonl") if r["step"] == 1
                         for t in r["turns"] for c in t["calls"])  # (a call with bad arguments never enters add)
     out = tmp_path / "cut"

@@ -691,7 +691,8 @@ class MultiTurn:
             else:
                 gen = first(idx)
             out = run_turns(gen, more, seeds, named, self.protocol, self.limits, self.script)
-        out.prefill_tokens, out.cached_tokens = kept.prefilled, kept.reused
+        if kept.prefilled or kept.reused:  # (None: an engine that counts none, vLLM's, sampled the turns)
+            out.prefill_tokens, out.cached_tokens = kept.prefilled, kept.reused
         out.environments, out.dropped_groups = envs, tuple(sorted(failed))
         out.observations = observations
         return out
