@@ -23,6 +23,15 @@ def tiny():
     return load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
 
 
+@pytest.fixture(autouse=True)
+def _tiny_stays_trainable(request):
+    """After a test that used the shared `tiny` model: its parameters trainable again (a LoRA wrapped around it
+    and unloaded leaves them frozen, and the next test's gradient would silently be missing)."""
+    yield
+    if "tiny" in request.fixturenames:
+        request.getfixturevalue("tiny")[0].requires_grad_(True)
+
+
 @pytest.fixture(scope="session")
 def taught(tmp_path_factory):
     """The embedded default taught to call the `add` tool (tests/multiturn_model.py), once per session."""
