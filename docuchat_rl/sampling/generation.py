@@ -419,9 +419,10 @@ def _generate(model, tokenizer, prompts, d: Decoding, row_seeds, lockstep) -> Ge
         chunk = prompts[start:start + per_call]
         enc = _encode(tokenizer, chunk, pad, device)
         kept = taken[start:start + per_call] if taken is not None else None
-        if turns is not None:
+        if turns is not None:  # (token-id rows are counted on the host; texts once per chunk from the mask)
             reused = sum(x.length for x in kept if x) if kept else 0
-            turns.prefilled += int(enc["attention_mask"].sum()) - reused
+            given = sum(map(len, chunk)) if not isinstance(chunk[0], str) else int(enc["attention_mask"].sum())
+            turns.prefilled += given - reused
             turns.reused += reused
         uniforms = None
         if row_seeds is not None and do_sample:

@@ -231,7 +231,8 @@ class Collector:
                 with timer("rollout"):
                     gen, texts = self.sample(model, idx, seeds, version, step)
             if idx and gen.prefill_tokens is not None:
-                prefill = (prefill or (0, 0))[0] + gen.prefill_tokens, (prefill or (0, 0))[1] + gen.cached_tokens
+                done, spared = prefill or (0, 0)
+                prefill = done + gen.prefill_tokens, spared + gen.cached_tokens
             if idx:
                 with timer("score"):
                     result = score(self.reward, examples, texts, gen, self.trainer_state(step))

@@ -25,9 +25,10 @@ def nll_sum(model, targets: list[Target], pad_id: int, logit_chunk: int, length_
     example of its bucket (`bucket_rows` over whole lengths), and the output layer runs on the loss tokens'
     positions only, `logit_chunk` at a time. RL's layout (a left-padded prompt, then a right-padded
     completion, `learning.forward.policy_forward`) pads both parts to their own longest, buckets by completion
-    length alone and scores every completion column: on SmolLM2's SFT recipe its step took 1.2-1.4x this one's
-    for the same loss (to 1e-7 a token) and gradient (to 7e-7 relative; docs/performance.md). Positions count
-    from each example's first token, as RL's do, so the prompt is scored where RL samples it."""
+    length alone and scores every completion column: on a batch of SmolLM2's SFT recipe its forward + backward
+    took 1.13-1.37x this one's (three alternating runs) for the same loss (to 1e-7 a token) and gradient (to
+    7e-7 relative; docs/performance.md). Positions count from each example's first token, as RL's do, so the
+    prompt is scored where RL samples it."""
     device = next(model.parameters()).device
     decoder, head = decoder_stack(model), output_head(model)
     total = torch.zeros((), device=device)
