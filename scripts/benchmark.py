@@ -12,6 +12,7 @@
     python scripts/benchmark.py --shape qwen2.5-0.5b --lengths fixed --prompts 16 --max-new 256   # on a GPU
     python scripts/benchmark.py --sft --steps 8 --warmup 2 --repeats 2   # `docuchat-rl sft` against TRL's SFTTrainer
     python scripts/benchmark.py --config config/smollm2_tools.yaml --switches --flip rollout.turn_cache=false
+    python scripts/benchmark.py --config config/smollm2_tools.yaml --tools --steps 5 --warmup 1 --repeats 2
 
 Robust to a noisy machine (the same TRL run has taken 2.65 and 3.58 s/step here): each side runs
 `--repeats` times, interleaved (ours, TRL, TRL, ours, ...: drift hits both alike), each run in its own
@@ -63,6 +64,16 @@ ids and loss mask; TRL gets them as pre-tokenized `input_ids` + `completion_mask
 `bf16=True` for a bf16 one): seconds a step, peak RSS, and both sides' loss at step 1 (the same batch from the
 same weights: LoRA's B starts at zero).
 
+`--tools` compares a tool-using recipe's step (its `rollout.tools`, max_turns, max_new_tokens as the whole
+completion's budget, tool results included, on both sides): TRL's GRPOTrainer with `tools=` parses calls only for
+chat templates it knows by their text (`trl.chat_template_utils.add_response_schema`), so both sides run the
+recipe's model under TRL's copy of Qwen2.5's template (TOOL_TEMPLATE; a ChatML template, which SmolLM2's
+tokens already are) from a folder made once under runs/bench/, ours with `rollout.tool_protocol: template`;
+the recipe's few-shot call is written as that template writes calls. TRL gets the tools as Python functions,
+`max_tool_calling_iterations` = max_turns - 1, and the prompt as chat messages. Printed beside the times: tool
+calls per completion on each side (ours `tool_calls/mean`, TRL's `tools/call_frequency`) and the prompt tokens
+our rollout prefilled per step. TRL's rollout time is the sum of its `generate` calls in the step.
+
 On a GPU (docs/performance.md, "GPU"): both sides run there in bfloat16 (TRL: `bf16=True`, its model loaded
 in bfloat16), peak memory is torch's peak GPU allocation, and `--shape` gives both a random-weight model of
 a published shape (SHAPES) with the embedded default's tokenizer: for timing only, at fixed length.
@@ -92,6 +103,7 @@ def settings_args(a) -> list[str]:
             "--threads", str(a.threads), *(["--fixed-length"] if a.fixed_length else []),
             *(["--config", str(a.config)] if a.config else []), "--trl-dtype", a.trl_dtype,
             *(["--keep", str(a.keep)] if a.keep else []), *(["--ours", str(a.ours)] if a.ours else []),
+            *(["--tools"] if a.tools else []),
             *[x for s in a.overrides for x in ("--set", s)]]
 
 
@@ -129,10 +141,51 @@ def bench_config(a, out: str):
              *([f"checkpoint.every={max(1, a.steps // 4)}", "checkpoint.keep_last=4"] if a.keep
                else [f"checkpoint.every={a.steps + 1}"])]
     if a.config:
-        return load_config(a.config, [*sizes, *a.overrides])
+        return load_config(a.config, [*sizes, *tool_overrides(a), *a.overrides])
     toy = ["algorithm.beta=0", "algorithm.num_iterations=1", "algorithm.loss_aggregation=grpo",
            "optim.schedule=constant", "optim.warmup_steps=0", "rewards.components=[{name: correctness, weight: 1.0}]"]
     return load_config(ROOT / "config/default.yaml", [*sizes, *toy, *a.overrides])
+
+
+# --tools: the chat template both sides run under (TRL parses tool calls only for templates it knows by their text)
+TOOL_TEMPLATE = "qwen2_5_chat_template"
+
+
+def tool_model(a) -> Path:
+    """The recipe's model folder with TOOL_TEMPLATE as its chat template, made once under runs/bench/ (the
+    weights linked, not copied)."""
+    import trl.chat_template_utils as templates
+
+    from docuchat_rl.config import load_config
+
+    source = (ROOT / load_config(a.config, a.overrides).model.name_or_path).resolve()
+    folder = ROOT / "runs" / "bench" / f"{source.name}-{TOOL_TEMPLATE.removesuffix('_chat_template')}"
+    if not (folder / "chat_template.jinja").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in source.iterdir():
+            if f.name == "tokenizer_config.json":  # (a template held there would win over the file's)
+                config = {k: v for k, v in json.loads(f.read_text()).items() if k != "chat_template"}
+                (folder / f.name).write_text(json.dumps(config, indent=2))
+            elif f.name != "chat_template.jinja" and not (folder / f.name).exists():
+                (folder / f.name).symlink_to(f)
+        (folder / "chat_template.jinja").write_text(getattr(templates, TOOL_TEMPLATE))
+    return folder
+
+
+def tool_overrides(a) -> list[str]:
+    """With --tools: the recipe's model under TOOL_TEMPLATE, tools through the template, and each few-shot
+    call written as that template writes calls (its block on lines of its own)."""
+    if not a.tools:
+        return []
+    import re
+
+    from docuchat_rl.config import load_config
+
+    shots = [{"role": t.role, "content": re.sub(r"<tool_call>\s*(.*?)\s*</tool_call>", "<tool_call>\n\\1\n</tool_call>",
+                                                 t.content, flags=re.S)}
+             for t in load_config(a.config, a.overrides).data.few_shot]
+    return [f"model.name_or_path={tool_model(a)}", "rollout.tool_protocol=template",
+            f"data.few_shot={json.dumps(shots)}"]
 
 
 def after_warmup(values: list, a) -> list:
@@ -218,6 +271,8 @@ def run_ours(a) -> dict:
         # multi-turn recipes: prompt tokens the model ran over per step, every turn's (turn_cache.py)
         "prefill_tokens": statistics.median(m["rollout/prefill_tokens"] for m in rest)
         if rest[0].get("rollout/prefill_tokens") is not None else None,
+        "tool_calls": statistics.mean(m["tool_calls/mean"] for m in rest) if "tool_calls/mean" in rest[0] else None,
+        "turns": statistics.mean(m["turns/mean"] for m in rest) if "turns/mean" in rest[0] else None,
     }
 
 
@@ -229,12 +284,17 @@ def step_clock(on_log=None):
     class StepClock(TrainerCallback):
         def __init__(self):
             self.begin, self.seconds = 0.0, []
+            self.generating: list[float] = []  # seconds of each generate call in the step (`timed` appends)
+            self.rows = 0  # rows sampled by generate calls, every turn's (with tools: turns = rows / completions)
+            self.rollout: list[float] = []  # per step, their sum
 
         def on_step_begin(self, args, state, control, **kw):
             self.begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             self.seconds.append(time.perf_counter() - self.begin)
+            self.rollout.append(sum(self.generating))  # (the step's generate calls: several with tools)
+            self.generating.clear()
 
         def on_log(self, args, state, control, logs=None, **kw):
             if on_log is not None:
@@ -253,6 +313,7 @@ def run_trl(a) -> dict:
 
     from docuchat_rl.data import load_examples, render_prompt
     from docuchat_rl.modeling import load_model_and_tokenizer
+    from docuchat_rl.sampling.multiturn import load_object
     from rewards import build_reward
 
     torch.set_num_threads(a.threads)
@@ -262,9 +323,15 @@ def run_trl(a) -> dict:
     model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cuda" if gpu else "cpu")
     rows = load_examples(str(ROOT / cfg.data.train), "train", cfg.data.prompt_column, cfg.data.answer_column)
     order = prompt_order(len(rows), a)
-    data = Dataset.from_list([{"prompt": render_prompt(tok, rows[i].question, cfg.data.system_prompt,
-                                                       few_shot=cfg.data.few_shot_turns),
-                               "answer": rows[i].answer} for i in order])
+    tools = [load_object(spec, "rollout.tools") for spec in cfg.rollout.tools] if a.tools else None
+
+    def prompt(question: str):  # with tools, chat messages (TRL renders them with the tools' schemas)
+        if tools:
+            return [{"role": "system", "content": cfg.data.system_prompt}, *cfg.data.few_shot_turns,
+                    {"role": "user", "content": question}]
+        return render_prompt(tok, question, cfg.data.system_prompt, few_shot=cfg.data.few_shot_turns)
+
+    data = Dataset.from_list([{"prompt": prompt(rows[i].question), "answer": rows[i].answer} for i in order])
     # our reward components are TRL-style callables already (named after their registry names)
     funcs = [build_reward(c.name, c.params) for c in cfg.rewards.components]
     weights = [c.weight for c in cfg.rewards.components]
@@ -295,32 +362,37 @@ def run_trl(a) -> dict:
             loss_type=alg.loss_aggregation, scale_rewards=alg.scale, reward_weights=weights,
             shuffle_dataset=False, seed=0, activation_checkpointing=cfg.model.gradient_checkpointing,
             disable_dropout=cfg.model.disable_dropout, disable_tqdm=True,
-            generation_kwargs={"min_new_tokens": a.max_new} if a.fixed_length else None)
+            generation_kwargs={"min_new_tokens": a.max_new} if a.fixed_length else None,
+            **({"max_tool_calling_iterations": cfg.rollout.max_turns - 1} if tools else {}))
         trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=funcs, args=args,
-                              train_dataset=data, callbacks=[clock],
+                              train_dataset=data, callbacks=[clock], tools=tools,
                               peft_config=LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                                      lora_dropout=cfg.lora.dropout,
                                                      target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM"))
-        gen_seconds: list[float] = []
         policy = trainer.model
         plain_generate = policy.generate
 
         def timed_generate(*args, **kwargs):  # measurement only: TRL has no per-phase timings in its logs
             t0 = time.perf_counter()
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            clock.rows += 0 if ids is None else len(ids)
             try:
                 return plain_generate(*args, **kwargs)
             finally:
-                gen_seconds.append(time.perf_counter() - t0)
+                clock.generating.append(time.perf_counter() - t0)
 
         policy.generate = timed_generate
         trainer.train()
         if keep:  # the LoRA adapter as peft saves it, which `docuchat-rl eval --adapter` loads
             trainer.save_model(str(keep / "adapter"))
     logs = [r for r in trainer.state.log_history if "reward" in r]
-    tok_s = [r["completions/mean_length"] * rows_per_step / s for r, s in zip(logs, gen_seconds)]
+    tok_s = [r["completions/mean_length"] * rows_per_step / s for r, s in zip(logs, clock.rollout)]
     return {
         "seconds_per_step": statistics.median(after_warmup(clock.seconds, a)),
-        "phases": {"rollout": statistics.median(after_warmup(gen_seconds, a))},
+        "phases": {"rollout": statistics.median(after_warmup(clock.rollout, a))},
+        # (TRL's call_frequency counts the calls it ran; ours every call parsed: turns are the comparable count)
+        "tool_calls": statistics.mean(r["tools/call_frequency"] for r in after_warmup(logs, a)) if tools else None,
+        "turns": clock.rows / (a.steps * rows_per_step) if tools else None,
         "rollout_tokens_per_s": statistics.median(after_warmup(tok_s, a)),
         "peak_mb": peak_mb(),
         "mean_reward_last_10": statistics.mean(r["reward"] for r in logs[-10:]),
@@ -436,6 +508,12 @@ def print_table(title: str, result: dict) -> None:
               f"{q['rollout_tokens_per_s']:.2f}")
     if "ours" in result:
         print("  our phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in result["ours"]["phases"].items()))
+    calls = {side: r for side, r in result.items() if side != "ratio" and r.get("tool_calls") is not None}
+    if calls:  # (--tools: how much tool use each side's time covers; ours counts calls parsed, TRL's calls run)
+        print("  per completion, turns and tool calls: " + ", ".join(
+              f"{side} {r['turns']:.2f} and {r['tool_calls']:.2f}" for side, r in calls.items())
+              + (f"; our rollout prefilled {result['ours']['prefill_tokens']:.0f} prompt tokens a step"
+                 if result.get("ours", {}).get("prefill_tokens") is not None else ""))
 
 
 def evaluate_kept(a) -> dict:
@@ -662,6 +740,8 @@ def main() -> None:
     ap.add_argument("--ours", type=Path, default=None, metavar="RUN",
                     help="with --keep: our side from this finished run of the recipe (its checkpoint at --steps), "
                          "not run again")
+    ap.add_argument("--tools", action="store_true",
+                    help="a tool-using recipe (--config) on both sides under TRL's Qwen2.5 template, TRL with tools=")
     ap.add_argument("--sft", action="store_true",
                     help="the supervised stage instead: `docuchat-rl sft`'s step against TRL's SFTTrainer on the same "
                          "examples (--config: an SFT recipe, default config/smollm2_task_sft.yaml)")
@@ -710,6 +790,12 @@ def main() -> None:
     if a.worker:
         print(json.dumps(run_ours(a) if a.worker == "ours" else run_trl(a)))
         return
+    if a.tools:
+        from docuchat_rl.config import load_config
+
+        if not (a.config and load_config(a.config, a.overrides).rollout.tools):
+            ap.error("--tools compares a tool-using recipe: give --config with rollout.tools (config/smollm2_tools.yaml)")
+        print(f"# both sides under {TOOL_TEMPLATE}: {tool_model(a)}", file=sys.stderr)  # (made before the workers)
     if a.shape:  # built once here, read by every run (the folder lives as long as this process)
         shape_dir = tempfile.TemporaryDirectory(prefix=f"{a.shape}-")
         a.overrides = [f"model.name_or_path={build_shape(a.shape, Path(shape_dir.name))}", *a.overrides]
