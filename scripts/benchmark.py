@@ -70,9 +70,10 @@ chat templates it knows by their text (`trl.chat_template_utils.add_response_sch
 recipe's model under TRL's copy of Qwen2.5's template (TOOL_TEMPLATE; a ChatML template, which SmolLM2's
 tokens already are) from a folder made once under runs/bench/, ours with `rollout.tool_protocol: template`;
 the recipe's few-shot call is written as that template writes calls. TRL gets the tools as Python functions,
-`max_tool_calling_iterations` = max_turns - 1, and the prompt as chat messages. Printed beside the times: tool
-calls per completion on each side (ours `tool_calls/mean`, TRL's `tools/call_frequency`) and the prompt tokens
-our rollout prefilled per step. TRL's rollout time is the sum of its `generate` calls in the step.
+`max_tool_calling_iterations` = max_turns - 1, and the prompt as chat messages. Printed beside the times, per
+completion: turns on each side (TRL's: the rows its `generate` calls sampled, over the completions) and tool
+calls (ours `tool_calls/mean`, every call parsed; TRL's `tools/call_frequency`, the calls it ran); and the
+prompt tokens our rollout prefilled per step. TRL's rollout time is the sum of its `generate` calls in the step.
 
 On a GPU (docs/performance.md, "GPU"): both sides run there in bfloat16 (TRL: `bf16=True`, its model loaded
 in bfloat16), peak memory is torch's peak GPU allocation, and `--shape` gives both a random-weight model of
