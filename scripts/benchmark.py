@@ -152,14 +152,12 @@ def bench_config(a, out: str):
 TOOL_TEMPLATE = "qwen2_5_chat_template"
 
 
-def tool_model(a) -> Path:
+def tool_model(cfg) -> Path:
     """The recipe's model folder with TOOL_TEMPLATE as its chat template, made once under runs/bench/ (the
     weights linked, not copied)."""
     import trl.chat_template_utils as templates
 
-    from docuchat_rl.config import load_config
-
-    source = (ROOT / load_config(a.config, a.overrides).model.name_or_path).resolve()
+    source = (ROOT / cfg.model.name_or_path).resolve()
     folder = ROOT / "runs" / "bench" / f"{source.name}-{TOOL_TEMPLATE.removesuffix('_chat_template')}"
     if not (folder / "chat_template.jinja").exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -182,10 +180,11 @@ def tool_overrides(a) -> list[str]:
 
     from docuchat_rl.config import load_config
 
+    cfg = load_config(a.config, a.overrides)
     shots = [{"role": t.role, "content": re.sub(r"<tool_call>\s*(.*?)\s*</tool_call>", "<tool_call>\n\\1\n</tool_call>",
                                                  t.content, flags=re.S)}
-             for t in load_config(a.config, a.overrides).data.few_shot]
-    return [f"model.name_or_path={tool_model(a)}", "rollout.tool_protocol=template",
+             for t in cfg.data.few_shot]
+    return [f"model.name_or_path={tool_model(cfg)}", "rollout.tool_protocol=template",
             f"data.few_shot={json.dumps(shots)}"]
 
 
@@ -286,7 +285,8 @@ def step_clock(on_log=None):
         def __init__(self):
             self.begin, self.seconds = 0.0, []
             self.generating: list[float] = []  # seconds of each generate call in the step (`timed` appends)
-            self.rows = 0  # rows sampled by generate calls, every turn's (with tools: turns = rows / completions)
+            self.rows = 0  # rows the step's generate calls sampled, every turn's (with tools: turns = rows / completions)
+            self.rows_per_step: list[int] = []
             self.rollout: list[float] = []  # per step, their sum
 
         def on_step_begin(self, args, state, control, **kw):
@@ -296,6 +296,8 @@ def step_clock(on_log=None):
             self.seconds.append(time.perf_counter() - self.begin)
             self.rollout.append(sum(self.generating))  # (the step's generate calls: several with tools)
             self.generating.clear()
+            self.rows_per_step.append(self.rows)
+            self.rows = 0
 
         def on_log(self, args, state, control, logs=None, **kw):
             if on_log is not None:
@@ -393,7 +395,7 @@ def run_trl(a) -> dict:
         "phases": {"rollout": statistics.median(after_warmup(clock.rollout, a))},
         # (TRL's call_frequency counts the calls it ran; ours every call parsed: turns are the comparable count)
         "tool_calls": statistics.mean(r["tools/call_frequency"] for r in after_warmup(logs, a)) if tools else None,
-        "turns": clock.rows / (a.steps * rows_per_step) if tools else None,
+        "turns": statistics.mean(after_warmup(clock.rows_per_step, a)) / rows_per_step if tools else None,
         "rollout_tokens_per_s": statistics.median(after_warmup(tok_s, a)),
         "peak_mb": peak_mb(),
         "mean_reward_last_10": statistics.mean(r["reward"] for r in logs[-10:]),
@@ -794,9 +796,10 @@ def main() -> None:
     if a.tools:
         from docuchat_rl.config import load_config
 
-        if not (a.config and load_config(a.config, a.overrides).rollout.tools):
+        recipe = load_config(a.config, a.overrides) if a.config else None
+        if not (recipe and recipe.rollout.tools):
             ap.error("--tools compares a tool-using recipe: give --config with rollout.tools (config/smollm2_tools.yaml)")
-        print(f"# both sides under {TOOL_TEMPLATE}: {tool_model(a)}", file=sys.stderr)  # (made before the workers)
+        print(f"# both sides under {TOOL_TEMPLATE}: {tool_model(recipe)}", file=sys.stderr)  # (made before the workers)
     if a.shape:  # built once here, read by every run (the folder lives as long as this process)
         shape_dir = tempfile.TemporaryDirectory(prefix=f"{a.shape}-")
         a.overrides = [f"model.name_or_path={build_shape(a.shape, Path(shape_dir.name))}", *a.overrides]
