@@ -478,7 +478,7 @@ def switches(a) -> dict:
     return {name: median_run(rs) for name, rs in runs.items()}
 
 
-def print_switches(title: str, result: dict) -> None:
+def print_switches(title: str, result: dict, fixed_length: bool = False) -> None:
     base = result["defaults"]
     width = max(map(len, result)) + 2
     print(title)
@@ -490,6 +490,9 @@ def print_switches(title: str, result: dict) -> None:
               f"{r['seconds_per_step'] / base['seconds_per_step']:>11.2f}x{ph.get('rollout', 0):>11.2f}"
               f"{ph.get('update', 0):>10.2f}{r['rollout_tokens_per_s']:>7.0f}{r['peak_mb']:>13.0f}"
               f"{r['mismatch_mean']:>10.1e}{r.get('prefill_tokens') or '':>12}")
+    if fixed_length:  # (the large mismatch a fixed-length run prints is this, not a sampler/learner bug)
+        print("  mismatch at fixed length: the sampler bans EOS before max new tokens (min_new_tokens), so its "
+              "log-probs are under another distribution than the learner's; compare it between variants only")
 
 
 def print_table(title: str, result: dict) -> None:
@@ -814,7 +817,7 @@ def main() -> None:
                 print_switches(f"{started}: {a.config or a.shape or 'embedded default'}, switches one at a time, "
                                f"{a.prompts} prompts x {a.generations} completions, {a.max_new} new tokens "
                                f"({'fixed length' if fixed else 'natural EOS'}), {a.steps} steps ({a.warmup} "
-                               f"warm-up), {a.repeats} runs each", result)
+                               f"warm-up), {a.repeats} runs each", result, fixed_length=fixed)
         return
     if not a.sweep:
         report = {}
