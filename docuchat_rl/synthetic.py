@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -311,3 +312,77 @@ def write_jsonl(problems: list[Problem], path: Path) -> str:
     text = "".join(json.dumps(p.as_record(), ensure_ascii=False) + "\n" for p in problems)
     path.write_text(text, encoding="utf-8")
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+# Where a completion of this task goes wrong, read off its worked lines against the gold's (scripts/transfer_errors.py).
+# Written here, not taken from a library: it reads this generator's own line format ("a op b = <<a op b=c>>c").
+_STEP = re.compile(r"(-?\d+)\s*([-+*/])\s*(-?\d+)\s*=\s*(?:<<[^>]*>>)?\s*(-?\d+)")
+_FINAL = re.compile(r"####\s*(-?\d+)")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One worked line, `a op b = result` (the result as written, right or not)."""
+
+    a: int
+    op: str
+    b: int
+    result: int
+
+    def right(self) -> bool:
+        """Whether the result is right for its own operands (a division only when exact)."""
+        if self.op == "/":
+            return self.b != 0 and self.a == self.b * self.result
+        return _apply(self.op, self.a, self.b) == self.result
+
+
+def worked_steps(text: str) -> list[Step]:
+    """The `a op b = c` lines of a worked solution, gold (with `<<...>>` annotations) or a model's (without).
+
+    >>> worked_steps("17 - 12 = <<17-12=5>>5\\n5 * 3 = 14\\n#### 14")
+    [Step(a=17, op='-', b=12, result=5), Step(a=5, op='*', b=3, result=14)]
+    """
+    return [Step(int(m[1]), m[2], int(m[3]), int(m[4])) for m in _STEP.finditer(text)]
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What a completion did with a problem: `kind` is right (its final answer is the gold's), arithmetic (it read
+    every sentence as the gold does: the same start, operations and operands, and got a result wrong) or reading
+    (it read a sentence otherwise: `misread` says the first way, e.g. "- read as +", "start value", "operand",
+    "steps missing or extra"); `start_first`: whether the question says the starting count before any other
+    number (the `start_last` order does not); `slips`: its lines whose result is wrong for their own operands."""
+
+    kind: str
+    misread: str | None
+    start_first: bool
+    slips: int
+
+
+def diagnose(question: str, completion: str, gold_answer: str) -> Diagnosis:
+    """The `Diagnosis` of a completion against the gold worked answer of its question.
+
+    >>> gold = "17 - 12 = <<17-12=5>>5\\n5 + 4 = <<5+4=9>>9\\n#### 9"
+    >>> q = "Gideon mails 12 plums away. 4 plums arrive. Before all of this, Gideon had 17 plums. How many now?"
+    >>> diagnose(q, "17 + 12 = 29\\n29 + 4 = 33\\n#### 33", gold)
+    Diagnosis(kind='reading', misread='- read as +', start_first=False, slips=0)
+    >>> diagnose(q, "17 - 12 = 5\\n5 + 4 = 8\\n#### 8", gold).kind
+    'arithmetic'
+    """
+    gold, mine = worked_steps(gold_answer), worked_steps(completion)
+    numbers = re.findall(r"\d+", question)
+    start_first = bool(gold) and bool(numbers) and int(numbers[0]) == gold[0].a
+    final, want = _FINAL.search(completion), _FINAL.search(gold_answer)
+    slips = sum(not s.right() for s in mine)
+    if final and want and int(final[1]) == int(want[1]):
+        return Diagnosis("right", None, start_first, slips)
+    if not mine or not gold or mine[0].a != gold[0].a:
+        return Diagnosis("reading", "start value", start_first, slips)
+    for g, m in zip(gold, mine):
+        if g.op != m.op:
+            return Diagnosis("reading", f"{g.op} read as {m.op}", start_first, slips)
+        if g.b != m.b:
+            return Diagnosis("reading", "operand", start_first, slips)
+    if len(gold) != len(mine):
+        return Diagnosis("reading", "steps missing or extra", start_first, slips)
+    return Diagnosis("arithmetic", None, start_first, slips)

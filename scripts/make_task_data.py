@@ -18,6 +18,11 @@
     python scripts/make_task_data.py --ops 2 6 --wording diverse --answer-only --out data/task_answers_diverse \
         --exclude data/task/train.jsonl data/task/test.jsonl data/task_unseen/test.jsonl \
         data/task_5to6/test.jsonl data/task_5to6_unseen/test.jsonl
+    # SFT's worked solutions in that wording, 2-4 operations (the transfer recipe's cold start), no held-out
+    # question and none of RL's rows
+    python scripts/make_task_data.py --seed 4321 --ops 2 4 --wording diverse --train 3000 --test 200 \
+        --out data/task_diverse --exclude data/task/train.jsonl data/task/test.jsonl data/task_unseen/test.jsonl \
+        data/task_5to6/test.jsonl data/task_5to6_unseen/test.jsonl data/task_answers_diverse/train.jsonl
 
 `--wording` picks the pools a row's words are drawn from (docuchat_rl.synthetic.WORDINGS): plain (the
 embedded default's), varied (many per row), unseen (disjoint from both, several sentence forms per operation

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import re
+from collections import Counter
 
 import pytest
 
@@ -12,7 +13,7 @@ from .conftest import ROOT, TASK
 
 
 TASKS = ("1op", "1op_varied", "1op_unseen", "1to4", "unseen", "5to6", "5to6_unseen", "answers_varied",
-         "answers_diverse")
+         "answers_diverse", "diverse")
 
 
 @pytest.mark.parametrize("task", [TASK, *(ROOT / "data" / f"task_{t}" for t in TASKS)], ids=["default", *TASKS])
@@ -130,3 +131,45 @@ def test_every_wording_writes_correct_steps_and_fills_every_slot(wording):
         for line in p.answer.split("\n")[:-1]:
             expr, result = line.split("<<")[1].split(">>")[0].split("=")
             assert eval(expr.replace("/", "//")) == int(result) >= 0  # noqa: S307 (our own generated text)
+
+
+def test_diagnose_reads_generated_completions_as_right_misread_or_miscalculated():
+    """Generated problems in every wording and order: the gold answer diagnoses as right; the same lines with one
+    operation swapped as a reading error naming that swap; with only a result wrong (and the lines after it
+    carried on from it), as arithmetic; a start_last row says its start later (unless a number before it
+    happens to equal it)."""
+    import random
+
+    from docuchat_rl.synthetic import diagnose, worked_steps
+
+    rng = random.Random(11)
+    orders = Counter()
+    for wording in ("plain", "varied", "diverse", "unseen"):
+        for _ in range(150):
+            p = make_problem(rng, (2, 5), wording)
+            order, steps = p.forms[-1], worked_steps(p.answer)
+            orders[order] += 1
+            plain = "\n".join(f"{s.a} {s.op} {s.b} = {s.result}" for s in steps)
+            assert diagnose(p.question, p.answer, p.answer).kind == "right"
+            assert diagnose(p.question, f"{plain}\n#### {p.value}", p.answer).kind == "right"
+            # one operation read otherwise (the second: the first sets the start)
+            k = 1
+            other = next(op for op in "+-*/" if op != steps[k].op)
+            swapped = [*steps[:k], steps[k].__class__(steps[k].a, other, steps[k].b, steps[k].result), *steps[k + 1:]]
+            text = "\n".join(f"{s.a} {s.op} {s.b} = {s.result}" for s in swapped) + f"\n#### {p.value + 1}"
+            d = diagnose(p.question, text, p.answer)
+            assert (d.kind, d.misread) == ("reading", f"{steps[k].op} read as {other}")
+            # every sentence read right, the last result off by one
+            last = steps[-1]
+            wrong = "\n".join(f"{s.a} {s.op} {s.b} = {s.result}" for s in steps[:-1])
+            wrong += f"\n{last.a} {last.op} {last.b} = {last.result + 1}\n#### {last.result + 1}"
+            d = diagnose(p.question, wrong, p.answer)
+            assert (d.kind, d.slips) == ("arithmetic", 1)
+            # a start read from the wrong number
+            d = diagnose(p.question, f"{steps[0].a + 1} + 1 = {steps[0].a + 2}\n#### 0", p.answer)
+            assert (d.kind, d.misread) == ("reading", "start value") or p.value == 0
+            first_number = int(re.findall(r"\d+", p.question)[0])
+            assert d.start_first == (first_number == steps[0].a)
+            if order in ("story", "recap"):
+                assert d.start_first
+    assert orders["start_last"] > 20  # (and a start_last row's first number is an operand, not the start)
