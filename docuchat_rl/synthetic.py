@@ -29,6 +29,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from rewards.correctness import Correctness
+
 from .data import normalized
 
 NAMES = ["Ava", "Ben", "Cara", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena",
@@ -317,7 +319,6 @@ def write_jsonl(problems: list[Problem], path: Path) -> str:
 # Where a completion of this task goes wrong, read off its worked lines against the gold's (scripts/transfer_errors.py).
 # Written here, not taken from a library: it reads this generator's own line format ("a op b = <<a op b=c>>c").
 _STEP = re.compile(r"(-?\d+)\s*([-+*/])\s*(-?\d+)\s*=\s*(?:<<[^>]*>>)?\s*(-?\d+)")
-_FINAL = re.compile(r"####\s*(-?\d+)")
 
 
 @dataclass(frozen=True)
@@ -360,7 +361,8 @@ class Diagnosis:
 
 
 def diagnose(question: str, completion: str, gold_answer: str) -> Diagnosis:
-    """The `Diagnosis` of a completion against the gold worked answer of its question.
+    """The `Diagnosis` of a completion against the gold worked answer of its question (right: as the
+    `correctness` reward, and so evaluation's accuracy, judges it).
 
     >>> gold = "17 - 12 = <<17-12=5>>5\\n5 + 4 = <<5+4=9>>9\\n#### 9"
     >>> q = "Gideon mails 12 plums away. 4 plums arrive. Before all of this, Gideon had 17 plums. How many now?"
@@ -372,9 +374,9 @@ def diagnose(question: str, completion: str, gold_answer: str) -> Diagnosis:
     gold, mine = worked_steps(gold_answer), worked_steps(completion)
     numbers = re.findall(r"\d+", question)
     start_first = bool(gold) and bool(numbers) and int(numbers[0]) == gold[0].a
-    final, want = _FINAL.search(completion), _FINAL.search(gold_answer)
     slips = sum(not s.right() for s in mine)
-    if final and want and int(final[1]) == int(want[1]):
+    # right as evaluation's accuracy judges it: the correctness reward's own extraction and math-verify
+    if Correctness().score(question, completion, {"answer": gold_answer}).value == 1.0:
         return Diagnosis("right", None, start_first, slips)
     if not mine or not gold or mine[0].a != gold[0].a:
         return Diagnosis("reading", "start value", start_first, slips)
