@@ -16,6 +16,9 @@ smaller unseen pool, kept so that `data/task_1op_unseen` is still what the gener
 `answer_only` rows (`Problem.answer_only`) keep the question and the final `#### N` line only: data a
 supervised stage cannot learn a worked solution from, for RL after SFT (docs/generalization.md).
 
+`diagnose` reads a completion's worked lines against a problem's gold ones: right, a sentence read otherwise
+(which way first) or a result miscalculated (scripts/transfer_errors.py, docs/generalization.md).
+
 Deliberately left out: percentages, units conversion and distractor sentences. The task has to be learnable
 by a few-million-parameter model on a CPU in minutes; the real GSM8K is one config away.
 """

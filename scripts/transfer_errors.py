@@ -24,6 +24,7 @@ def report(label: str, completions: Path, gold: list[dict]) -> None:
     kinds: Counter = Counter()
     by_start: dict[bool, Counter] = {True: Counter(), False: Counter()}
     misread: Counter = Counter()
+    slipped = 0  # rows with a line whose result is wrong for its own operands, whatever their kind
     for line in completions.read_text().splitlines():
         rec = json.loads(line)
         row = gold[rec["prompt_id"]]
@@ -31,9 +32,11 @@ def report(label: str, completions: Path, gold: list[dict]) -> None:
         kinds[d.kind] += 1
         by_start[d.start_first][d.kind] += 1
         misread[d.misread] += d.misread is not None
+        slipped += d.slips > 0
     n = sum(kinds.values())
     print(f"{label}: {n} rows; " + ", ".join(f"{k} {kinds[k]} ({100 * kinds[k] / n:.0f}%)"
-                                              for k in ("right", "reading", "arithmetic")))
+                                              for k in ("right", "reading", "arithmetic"))
+          + f"; {slipped} with a line miscalculated")
     for first, c in by_start.items():
         m = sum(c.values())
         if m:

@@ -135,8 +135,8 @@ def test_every_wording_writes_correct_steps_and_fills_every_slot(wording):
 
 def test_diagnose_reads_generated_completions_as_right_misread_or_miscalculated():
     """Generated problems in every wording and order: the gold answer diagnoses as right; the same lines with one
-    operation swapped as a reading error naming that swap; with only a result wrong (and the lines after it
-    carried on from it), as arithmetic; a start_last row says its start later (unless a number before it
+    operation swapped as a reading error naming that swap; with only the last result wrong, as arithmetic with
+    one slip; a start_last row says its start later (unless a number before it
     happens to equal it)."""
     import random
 
