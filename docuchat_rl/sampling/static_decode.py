@@ -10,7 +10,8 @@ fixed shape here, and the host only moves a counter between replays:
   bucket; the slots behind them decode as finished rows (pad in, nothing read out). One graph per bucket.
 - keys/values: one buffer [B, KV, P + N, D] per layer, the prompt's right-aligned in its first P
   positions (P: the longest prompt seen, rounded up to PROMPT_BUCKET tokens, so later chunks reuse the
-  buffers and graphs), the step's key and value written at P + t with t a device tensor; attention reads
+  buffers and graphs; B and P grow only across calls of the same settings, and evaluation frees its
+  decoder when it ends: `grown`, `release`), the step's key and value written at P + t with t a device tensor; attention reads
   all P + N positions under a mask that opens one more completion position per step.
 - sampling inside the step: the processors, the min-new-tokens ban on the stop tokens, and the inverse-CDF
   draw with each row's own uniform for the position (row_uniforms: the same stream as the dynamic loop).
@@ -40,7 +41,7 @@ on which decoder holds them: measured on a CPU). Off until a GPU measures it.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -95,7 +96,8 @@ class StaticDecoder:
     def __init__(self, model, shape: Shape, processors: list, min_new_tokens: int, stop: list[int], pad: int,
                  do_sample: bool):
         lm = base_model(model)
-        self.model, self.shape = model, shape
+        self.shape = shape  # (no reference to the model itself: _DECODERS' weak key would be kept alive by
+        # its own value, and every model that ever decoded here with it)
         self.decoder, self.lm_head = lm.model, lm.get_output_embeddings()
         attn = self.decoder.layers[0].self_attn
         self.head_dim, self.per_kv, self.scaling = attn.head_dim, attn.num_key_value_groups, attn.scaling
@@ -128,14 +130,25 @@ class StaticDecoder:
         # torch.compile's version of the step: fused kernels (inductor), the same graph capture around them.
         # One compilation per row bucket and shape (b is a Python int, so each bucket's shapes are static); the
         # first call compiles, so on a GPU it happens in the capture's warm-up steps, never under capture.
-        self._step = self.step
+        # (None without it: `self.step` held here would be a reference cycle, and a decoder let go would keep
+        # its buffers until Python's cycle collector ran, for many steps: `free` breaks the compiled one's)
+        self._compiled = None
         if shape.compiled:
             import torch._dynamo.config as dynamo
 
             # every bucket and shape is a compilation of this one function: past dynamo's default of 8 it
             # would run the step eagerly again, saying so only in a warning
             dynamo.recompile_limit = max(dynamo.recompile_limit, 64)
-            self._step = torch.compile(self.step, dynamic=False)
+            self._compiled = torch.compile(self.step, dynamic=False)
+
+    def _step(self, b: int) -> None:
+        (self._compiled or self.step)(b)
+
+    def free(self) -> None:
+        """Let go of the buffers and graphs now, whoever still holds this decoder."""
+        self.graphs.clear()
+        self.keys = self.values = []
+        self.qkv = self.gate_up = self._compiled = None
 
     def fuse(self) -> None:
         """With shape.fused, each layer's q/k/v and gate/up as one matmul (grouped_decode.Fused: a copy of
@@ -239,7 +252,8 @@ def _uncached_autocast():
 
 def decoder_for(model, shape: Shape, **settings) -> StaticDecoder:
     """The model's StaticDecoder for `shape`: the one it has when its shape still matches (its graphs
-    dropped if the weights they baked in changed), else a new one (the old buffers and graphs released first)."""
+    dropped if the weights they baked in changed), else a new one (the old buffers and graphs released first:
+    the caller holds no reference to the old decoder, so both never take memory at once)."""
     current = _DECODERS.get(model)
     if current is not None and current.shape == shape:
         weights = _weights_key(model)
@@ -248,10 +262,36 @@ def decoder_for(model, shape: Shape, **settings) -> StaticDecoder:
             current.weights = weights
             current.fuse()
         return current
-    _DECODERS.pop(model, None)
     del current
+    release(model)
     decoder = _DECODERS[model] = StaticDecoder(model, shape, **settings)
     return decoder
+
+
+def release(model) -> None:
+    """Free the model's static buffers and graphs (evaluation's decoder, whose shape a training rollout never
+    reuses: its greedy step and longer completions make a new one anyway). Nothing if it has none."""
+    decoder = _DECODERS.pop(model, None)
+    if decoder is not None:
+        decoder.free()
+
+
+def grown(shape: Shape, held: Shape | None) -> Shape:
+    """`shape` with the rows and prompt positions of the decoder the model holds (`held`) where those are
+    larger and everything else is equal, so that later chunks of one rollout reuse its buffers and graphs.
+    A decoder of other settings (evaluation's greedy 256 tokens beside training's sampled 96) is rebuilt
+    anyway: growing to its rows and prompts would only hold memory (on one H200, SmolLM2's recipe decoded
+    its 32 rows in buffers of evaluation's 100, 2026-11-28).
+
+    >>> a = Shape(32, 192, 96, (True,), "cpu", torch.float32)
+    >>> same = replace(a, rows=100, prompt=448)
+    >>> evaluation = replace(a, rows=100, prompt=448, new=256, sampling=(False,))
+    >>> [(s.rows, s.prompt) for s in (grown(a, same), grown(a, evaluation), grown(a, None))]
+    [(100, 448), (32, 192), (32, 192)]
+    """
+    if held is None or replace(held, rows=shape.rows, prompt=shape.prompt) != shape:
+        return shape
+    return replace(shape, rows=max(shape.rows, held.rows), prompt=max(shape.prompt, held.prompt))
 
 
 def static_chunk(model, prefill_cache, first_logits: torch.Tensor, attention_mask: torch.Tensor, *, repeats: int,
@@ -266,13 +306,15 @@ def static_chunk(model, prefill_cache, first_logits: torch.Tensor, attention_mas
     rows, n, device = u * repeats, max_new_tokens, attention_mask.device
     compute = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
     dtype = compute or prefill_cache.layers[0].keys.dtype
-    # the buffers only grow: fewer rows or a shorter prompt than the model's decoder holds fit in it
-    current = _DECODERS.get(model)
-    rows_cap = max(rows, current.shape.rows if current is not None else 0)
-    prompt = max(-(-lp // PROMPT_BUCKET) * PROMPT_BUCKET, current.shape.prompt if current is not None else 0)
     sampling = (do_sample, tuple((type(p).__name__, tuple(sorted(vars(p).items()))) for p in processors),
                 min_new_tokens, tuple(stop), pad)
-    shape = Shape(rows_cap, prompt, n, sampling, str(device), dtype, compiled, fused)
+    prompt = -(-lp // PROMPT_BUCKET) * PROMPT_BUCKET
+    # the buffers only grow while the settings stay: fewer rows or a shorter prompt fit in the decoder held
+    held = _DECODERS.get(model)
+    shape = grown(Shape(rows, prompt, n, sampling, str(device), dtype, compiled, fused),
+                  None if held is None else held.shape)
+    prompt = shape.prompt
+    del held  # (decoder_for frees a decoder of another shape before making this one)
     dec = decoder_for(model, shape, processors=processors, min_new_tokens=min_new_tokens, stop=stop, pad=pad,
                       do_sample=do_sample)
 
