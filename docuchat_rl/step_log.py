@@ -55,7 +55,11 @@ class StepLog:
         m["memory/peak_mb"] = round(peak, 1)  # the step's peak, the largest process's (memory.py)
         if rollout.sampler_seconds is not None:
             m["rollout_sampler_s"] = rollout_s  # (the engine's, overlapping the update before; time/rollout: the wait)
-        m["rollout_tokens_per_s"] = float(sum(r.completion_tokens for r in records) / rollout_s) if rollout_s else None
+        # the tokens the model sampled: a multi-turn completion's tool results are not the engine's output (and TRL
+        # counts model tokens only: its tool_mask)
+        sampled, = dist.sum_floats([float(sum(sum(c.model_mask) if c.model_mask else len(c.ids)
+                                               for c in rollout.completions))])
+        m["rollout_tokens_per_s"] = sampled / rollout_s if rollout_s else None
         if self.cfg.rollout.multi_turn:  # (the prompt tokens the model ran over, every turn of every process; and
             # those a kept cache spared it: turn_cache.py; None where the engine counts none, vLLM's)
             pairs = [p for p in dist.gather([rollout.prefill]) if p is not None]

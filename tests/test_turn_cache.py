@@ -167,6 +167,11 @@ def test_a_run_killed_between_the_turns_of_a_step_resumes_to_the_uninterrupted_r
     full.close()
     metrics = read_jsonl(tmp_path / "full" / "metrics.jsonl")  # (what each step prefilled, what it was spared)
     assert all(m["rollout/prefill_tokens"] > 0 for m in metrics) and any(m["rollout/cached_tokens"] for m in metrics)
+    traces = read_jsonl(tmp_path / "full" / "traces.jsonl")
+    for m in metrics:  # tokens/s counts what the model sampled, not the tool results in its completions
+        model = sum(t["model_tokens"] for r in traces if r["step"] == m["step"] for t in r["turns"])
+        assert m["rollout_tokens_per_s"] * m["time/rollout"] == pytest.approx(model)
+    assert sum(t["model_tokens"] for r in traces for t in r["turns"]) < sum(r["completion_tokens"] for r in traces)
     ran_in_step_1 = sum(c["error"] is None for r in read_jsonl(tmp_path / "full" / "traces.jsonl") if r["step"] == 1
                         for t in r["turns"] for c in t["calls"])  # (a call with bad arguments never enters add)
     out = tmp_path / "cut"
