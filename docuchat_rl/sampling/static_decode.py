@@ -11,8 +11,8 @@ fixed shape here, and the host only moves a counter between replays:
 - keys/values: one buffer [B, KV, P + N, D] per layer, the prompt's right-aligned in its first P
   positions (P: the longest prompt seen, rounded up to PROMPT_BUCKET tokens, so later chunks reuse the
   buffers and graphs; B and P grow only across calls of the same settings, and evaluation frees its
-  decoder when it ends: `grown`, `release`), the step's key and value written at P + t with t a device tensor; attention reads
-  all P + N positions under a mask that opens one more completion position per step.
+  decoder when it ends: `grown`, `release`), the step's key and value written at P + t with t a device
+  tensor; attention reads all P + N positions under a mask that opens one more completion position per step.
 - sampling inside the step: the processors, the min-new-tokens ban on the stop tokens, and the inverse-CDF
   draw with each row's own uniform for the position (row_uniforms: the same stream as the dynamic loop).
 Between replays the host writes t (one small copy) and, every DONE_CHECK_EVERY tokens, reads `done`.
