@@ -215,7 +215,7 @@ stage() {
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   {
-    printf '\n## %s\n\n    %s\n\n```\n' "$name" "$*"
+    printf '\n## %s\n\n    %s\n\n```\n' "$name" "${STAGE_LABEL:-$*}"  # (STAGE_LABEL: a shorter command to show)
     # the tables and one-line results; a failure's last lines
     if [ "$rc" = 0 ]; then grep -v -E '^\s*$|Warning|warn\(|^  warnings' "$log" | tail -n 80; else tail -n 40 "$log"; fi
     printf '```\n\nexit %s%s after %s s\n' "$rc" "$([ "$rc" = 124 ] && echo ' (timed out)')" $(( $(date +%s) - t0 ))
@@ -247,7 +247,8 @@ if wanted real; then
   paired=("$PY" scripts/benchmark.py --config config/smollm2.yaml --lengths natural --repeats 1 --curve --warmup 1
           --steps "$REAL_STEPS" --threads "$REAL_THREADS" "${REAL_SIZES[@]}" --keep "$runs/paired" --ours "$runs/smollm2" "${REAL_EVAL[@]}")
   scale=("$PY" scripts/benchmark.py --config config/smollm2.yaml --lengths natural --only ours "${REAL_SCALE[@]}")
-  stage real 600 bash -c "$(declare -f join_model); PY=$PY; join_model $REAL_MODEL && ${ours[*]} && ${paired[*]} \
+  STAGE_LABEL="join_model $REAL_MODEL && ${ours[*]} && ${paired[*]} && ${scale[*]}" \
+    stage real 600 bash -c "$(declare -f join_model); PY=$PY; join_model $REAL_MODEL && ${ours[*]} && ${paired[*]} \
 && ${scale[*]}"
 fi
 
