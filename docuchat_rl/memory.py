@@ -6,13 +6,22 @@ peak resident set size of the process (`VmHWM` in /proc/self/status), reset at t
 writing 5 to /proc/self/clear_refs (Linux >= 4.0); where that file is missing (macOS, Windows) it is the
 process's peak so far (`resource.getrusage`), which only grows.
 
-Deliberately left out: per-phase peaks (a phase's peak is the step's peak when it is the largest one; the
-profiling scripts read phases) and memory of other processes (a vLLM engine's own process).
+`TensorBytes` counts the bytes of the tensors alive on any device, per phase: what `max_memory_allocated`
+counts on CUDA (without its allocator's rounding, workspaces or CUDA graph pools), measurable on a CPU, where
+RSS also holds the allocator's caches and the libraries' own memory. The benchmark reads it
+(`scripts/benchmark.py --tensor-memory`) to compare where ours and TRL's step hold memory without a GPU.
+
+Deliberately left out: per-phase peaks in the training log (a phase's peak is the step's peak when it is the
+largest one; `TensorBytes` and the profiling scripts read phases) and memory of other processes (a vLLM
+engine's own process).
 """
 
 from __future__ import annotations
 
+import gc
 import re
+import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -46,3 +55,86 @@ def peak_mb(device: torch.device) -> float:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+class TensorBytes:
+    """Bytes of tensor storage alive, counted per storage (views share their base's), and the peak of that
+    count in each phase: `with TensorBytes() as held:`, `held.phase("rollout")` as the work moves on,
+    `held.peaks` {phase: bytes}. Every tensor an operation returns is counted until its storage is freed;
+    those alive when counting starts or a phase begins (weights read from a file without an operation) are
+    found then among the Python heap's tensors. Operations in other threads are not seen (a dispatch mode is
+    per thread).
+
+    Hand-written: torch's MemTracker (torch.distributed._tools) refuses a module called more than once in an
+    iteration, which a decode loop does every token; the CUDA allocator's counters exist on CUDA only.
+
+    >>> with TensorBytes() as held:
+    ...     before = held.now  # (the tensors alive already)
+    ...     a = torch.empty(1000)  # 4,000 bytes
+    ...     b = a[:10]  # a view: nothing new
+    ...     held.phase("two")
+    ...     c = torch.empty(250, dtype=torch.float64)  # 2,000 more
+    ...     del a, b
+    >>> held.now - before, {name: peak - before for name, peak in held.peaks.items()}
+    (2000, {'start': 4000, 'two': 6000})
+    """
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        counter._count(t)
+                return out
+
+        self._mode = _Mode()
+        self.sizes: dict[tuple[str, int], int] = {}  # (device, address) of each storage alive -> its bytes
+        self.now = 0
+        self.current = "start"
+        self.peaks: dict[str, int] = {}
+
+    def _count(self, t: torch.Tensor) -> None:
+        if t.is_meta or getattr(t, "is_sparse", False):
+            return
+        storage = t.untyped_storage()
+        key = (str(storage.device), storage.data_ptr())
+        if key[1] == 0 or key in self.sizes:
+            return
+        self.sizes[key] = storage.nbytes()
+        self.now += storage.nbytes()
+        self.peaks[self.current] = max(self.peaks.get(self.current, 0), self.now)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key) -> None:
+        self.now -= self.sizes.pop(key, 0)
+
+    def _sweep(self) -> None:
+        """Count the tensors alive that no counted operation made (read from a file, made before `with`)."""
+        with warnings.catch_warnings():  # (isinstance on a deprecated torch object warns)
+            warnings.simplefilter("ignore")
+            found = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        for obj in found:
+            try:
+                self._count(obj)
+            except (RuntimeError, NotImplementedError):  # (no storage of its own: sparse, nested)
+                pass
+        self.peaks[self.current] = max(self.peaks.get(self.current, 0), self.now)
+
+    def phase(self, name: str) -> None:
+        """The work is now in phase `name` (a phase entered again adds to its own peak)."""
+        self.current = name
+        self._sweep()
+
+    def __enter__(self) -> TensorBytes:
+        self._sweep()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)

@@ -27,7 +27,9 @@ order (TRL's shuffling off, fed our sampler's order), the same group size, max n
 learning rate (constant), beta 0, mu 1, the "grpo" loss aggregation, and the correctness reward only
 (ours from `rewards/`, TRL's the same function in TRL's reward signature). Printed per side: seconds per
 step, our seconds per phase, rollout tokens/s, peak RSS, mean reward over the last 10 steps; then ours/TRL.
-TRL's rollout time is measured around its `generate` call.
+TRL's rollout time is measured around its `generate` call. `--tensor-memory` also counts each side's tensors
+alive per phase (`docuchat_rl.memory.TensorBytes`: what CUDA's allocated memory counts, measurable on a CPU,
+where RSS also holds allocator caches; "start" is loading; TRL's "update" is all outside its `generate`).
 
 `--config RECIPE` runs a recipe instead (the real model: config/smollm2.yaml): both sides get its model,
 system prompt, every reward component with its weight and params (TRL: `reward_funcs` + `reward_weights`),
@@ -35,8 +37,9 @@ sampling settings, learning rate and schedule, GRPO settings (TRL's `loss_type`,
 beta, num_iterations) and micro-batch (TRL: `per_device_train_batch_size` = optim.micro_batch_size with
 gradient accumulation up to the step's completions, so one generation batch and one optimizer step per
 step, as ours); prompts per step, group size, max new tokens, temperature and lr default to the recipe's.
-Ours runs in the recipe's `model.dtype`; TRL on a CPU only in float32 (`use_cpu=True, bf16=False`; its
-config refuses bf16 there), unless `--trl-dtype bfloat16` loads its model in bfloat16. `--curve` prints the
+Ours runs in the recipe's `model.dtype`; TRL on a CPU in float32 (`use_cpu=True, bf16=False`) unless
+`--trl-dtype bfloat16`, which loads its model in bfloat16 and trains it with `bf16=True` (autocast), as on a
+GPU (TRL 1.16 accepts bf16 on a CPU; earlier versions refused it). `--curve` prints the
 mean training reward of both sides per window of 5 steps (the same prompts in the same order).
 
 `--keep DIR` keeps what each side learned: its final adapter and a line per step (reward, its standard
@@ -104,7 +107,7 @@ def settings_args(a) -> list[str]:
             "--threads", str(a.threads), *(["--fixed-length"] if a.fixed_length else []),
             *(["--config", str(a.config)] if a.config else []), "--trl-dtype", a.trl_dtype,
             *(["--keep", str(a.keep)] if a.keep else []), *(["--ours", str(a.ours)] if a.ours else []),
-            *(["--tools"] if a.tools else []),
+            *(["--tools"] if a.tools else []), *(["--tensor-memory"] if a.tensor_memory else []),
             *[x for s in a.overrides for x in ("--set", s)]]
 
 
@@ -248,13 +251,16 @@ def kept(a, side: str) -> Path | None:
 def run_ours(a) -> dict:
     import contextlib
 
+    from docuchat_rl.memory import TensorBytes
     from docuchat_rl.trainer import Trainer
 
     keep = kept(a, "ours")
-    with (contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory()) as out:
+    held = TensorBytes() if a.tensor_memory else None
+    with (contextlib.nullcontext(str(keep)) if keep else tempfile.TemporaryDirectory()) as out, \
+            held or contextlib.nullcontext():
         # (kept: the run folder itself, whose metrics.jsonl is written step by step and whose final checkpoint
         # is the adapter evaluated; the trainer always checkpoints at its last step)
-        trainer = Trainer(bench_config(a, out))
+        trainer = Trainer(bench_config(a, out), on_phase=held.phase if held else None)
         history = trainer.train()
         trainer.close()
     rest = after_warmup(history, a)
@@ -273,6 +279,7 @@ def run_ours(a) -> dict:
         if rest[0].get("rollout/prefill_tokens") is not None else None,
         "tool_calls": statistics.mean(m["tool_calls/mean"] for m in rest) if "tool_calls/mean" in rest[0] else None,
         "turns": statistics.mean(m["turns/mean"] for m in rest) if "turns/mean" in rest[0] else None,
+        **tensor_peaks(held),
     }
 
 
@@ -310,6 +317,21 @@ def run_trl(a) -> dict:
     import contextlib
 
     import torch
+
+    from docuchat_rl.memory import TensorBytes
+
+    torch.set_num_threads(a.threads)
+    with tempfile.TemporaryDirectory() as scratch:
+        cfg = bench_config(a, scratch)  # (the same recipe our side runs)
+    held = TensorBytes() if a.tensor_memory else None
+    with held or contextlib.nullcontext():  # (loading counted as "start", as on our side)
+        return _run_trl(a, cfg, held)
+
+
+def _run_trl(a, cfg, held) -> dict:
+    import contextlib
+
+    import torch
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
@@ -319,9 +341,6 @@ def run_trl(a) -> dict:
     from docuchat_rl.sampling.multiturn import load_object
     from rewards import build_reward
 
-    torch.set_num_threads(a.threads)
-    with tempfile.TemporaryDirectory() as scratch:
-        cfg = bench_config(a, scratch)  # (the same recipe our side runs)
     gpu = torch.cuda.is_available()
     model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cuda" if gpu else "cpu")
     rows = load_examples(str(ROOT / cfg.data.train), "train", cfg.data.prompt_column, cfg.data.answer_column)
@@ -353,7 +372,7 @@ def run_trl(a) -> dict:
         keep.mkdir(parents=True)
     with (contextlib.nullcontext(str(keep / "run")) if keep else tempfile.TemporaryDirectory()) as out:
         args = GRPOConfig(  # (kept: TRL's checkpoints every quarter of the run, a run cut short leaves adapters)
-            output_dir=out, use_cpu=not gpu, bf16=gpu and a.trl_dtype == "bfloat16", report_to="none",
+            output_dir=out, use_cpu=not gpu, bf16=a.trl_dtype == "bfloat16", report_to="none",
             save_strategy="steps" if keep else "no", save_steps=max(1, a.steps // 4), save_only_model=True,
             logging_steps=1,
             max_steps=a.steps, per_device_train_batch_size=micro, gradient_accumulation_steps=rows_per_step // micro,
@@ -379,10 +398,14 @@ def run_trl(a) -> dict:
             t0 = time.perf_counter()
             ids = kwargs.get("input_ids", args[0] if args else None)
             clock.rows += 0 if ids is None else len(ids)
+            if held:
+                held.phase("rollout")
             try:
                 return plain_generate(*args, **kwargs)
             finally:
                 clock.generating.append(time.perf_counter() - t0)
+                if held:
+                    held.phase("update")  # (TRL's scoring, log-probs, loss, backward and optimizer step)
 
         policy.generate = timed_generate
         trainer.train()
@@ -401,7 +424,13 @@ def run_trl(a) -> dict:
         "mean_reward_last_10": statistics.mean(r["reward"] for r in logs[-10:]),
         "reward_per_step": [r["reward"] for r in logs],
         "reward_std_per_step": [r["reward_std"] for r in logs],
+        **tensor_peaks(held),
     }
+
+
+def tensor_peaks(held) -> dict:
+    """`--tensor-memory`: the peak MiB of tensors alive in each phase (memory.TensorBytes; "start": loading)."""
+    return {"tensor_peaks_mb": {k: v / 2**20 for k, v in held.peaks.items()}} if held else {}
 
 
 def spawn(side: str, a, **changes) -> dict:
@@ -514,6 +543,10 @@ def print_table(title: str, result: dict) -> None:
               f"{q['rollout_tokens_per_s']:.2f}")
     if "ours" in result:
         print("  our phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in result["ours"]["phases"].items()))
+    for side in ("ours", "trl"):  # (--tensor-memory)
+        if "tensor_peaks_mb" in result.get(side, {}):
+            print(f"  {side} tensor memory peak (MiB) by phase: " + ", ".join(
+                f"{k} {v:.0f}" for k, v in result[side]["tensor_peaks_mb"].items()))
     calls = {side: r for side, r in result.items() if side != "ratio" and r.get("tool_calls") is not None}
     if calls:  # (--tools: how much tool use each side's time covers; ours counts calls parsed, TRL's calls run)
         print("  per completion, turns and tool calls: " + ", ".join(
@@ -720,8 +753,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=None, help="5e-4, or the recipe's")
     ap.add_argument("--temperature", type=float, default=None, help="1.0, or the recipe's")
     ap.add_argument("--trl-dtype", choices=["float32", "bfloat16"], default=None,
-                    help="the dtype TRL's model is loaded in (float32 on a CPU, where its config runs float32 "
-                         "only; bfloat16 with bf16=True on a GPU, as ours)")
+                    help="the dtype TRL's model is loaded in (default: float32 on a CPU, bfloat16 on a GPU); "
+                         "bfloat16 also trains with bf16=True (autocast), as ours does under bf16-autocast")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None,
                     help="both sides train a random-weight model of this published shape (built once, for timing; "
                          "use with --lengths fixed)")
@@ -755,6 +788,9 @@ def main() -> None:
                     "(TRL: float32 weights, bf16=True for a bf16 one)")
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # (an sft worker's)
     ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)  # (an sft worker's examples)
+    ap.add_argument("--tensor-memory", action="store_true",
+                    help="also count each side's tensors alive per phase (memory.TensorBytes: what CUDA's allocated "
+                         "memory counts, on any device; slows both sides alike)")
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.sft:

@@ -29,6 +29,9 @@
 #             (config/smollm2.yaml) at the GPU defaults, held-out accuracy every 25 steps, beside TRL at the same
 #             settings (natural lengths, the recipe's rewards): s/step, peak memory, rollout tokens/s, the training
 #             reward per 5 steps of both, both adapters' held-out accuracy; then our step at 64 prompts x 8
+#   memory    the same recipe, 3 steps a side, each side's tensors alive per phase (benchmark --tensor-memory)
+#             beside torch's peak allocation, and ours without CUDA graphs: where ours' 2-3x TRL's peak lies
+#             (2026-11-28: on a CPU with the GPU's switches our tensors peaked at 0.71x TRL's)
 #   tests     the CUDA tests (static decode replayed as CUDA graphs against the eager step) and the decode tests
 #   compile   our step with rollout.compile_decode (the static step through torch.compile, in the same graphs)
 #             against the GPU defaults
@@ -50,7 +53,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(trl==1.16.0 datasets==5.2.0 dill==0.4.0 multiprocess==0.70.18 pydantic==2.13.4 pydantic-core==2.46.4
         annotated-types==0.8.0 typing-inspection==0.4.5 math-verify==0.9.0 latex2sympy2_extended==1.11.0
         antlr4-python3-runtime==4.13.2 gguf==0.19.0 simpleeval==1.0.8 transformers==5.24.0 peft==0.21.2)
-STAGES_ALL="env real tests compile fused graphs trl trl-autocast switches profile lag"
+STAGES_ALL="env real memory tests compile fused graphs trl trl-autocast switches profile lag"
 
 ARGS="$*"
 DRY=0 MINUTES=25 ONLY="" REPORT="" FETCH=0 CARRY="" RECEIVE=0
@@ -108,6 +111,8 @@ print(' '.join(f'{p}=={k.version}' for p, _ in k.parts))") || { echo "unknown mo
       cmd="scripts/gpu_checklist.sh --minutes 9 --only \"env real\""; whl="\".whl\", "; fi
     echo "  $i. carry [$whl\"$dir/$c\", \"$dir/SHA256SUMS\"]  command: $cmd"
   done
+  echo "  then, on the warm machine (the joined model stays): carry [\".whl\"]  command: scripts/gpu_checklist.sh \
+--minutes 8 --only \"env memory\""
   # every call sends the working tree too (its tracked files), so each call's total is checked, not the chunk alone
   local tree; tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
   local first last; first=$(( ($(stat -c %s "$dir/${parts[0]}") + tree) / 1048576 ))
@@ -250,6 +255,17 @@ if wanted real; then
   STAGE_LABEL="join_model $REAL_MODEL && ${ours[*]} && ${paired[*]} && ${scale[*]}" \
     stage real 600 bash -c "$(declare -f join_model); PY=$PY; join_model $REAL_MODEL && ${ours[*]} && ${paired[*]} \
 && ${scale[*]}"
+fi
+
+# where the GPU's memory goes: tensors alive (what ours and TRL's code hold, counted per phase) against torch's
+# peak allocation (tensors plus what the allocator and CUDA graph pools keep), then ours without graphs
+if wanted memory; then
+  mem=("$PY" scripts/benchmark.py --config config/smollm2.yaml --lengths natural --repeats 1 --steps 3 --warmup 1
+       --tensor-memory)
+  graphless=("${mem[@]}" --only ours --set rollout.cuda_graphs=false)
+  STAGE_LABEL="join_model $REAL_MODEL (once) && ${mem[*]} && ${graphless[*]}" \
+    stage memory 420 bash -c "$(declare -f join_model); PY=$PY; { [ -f data/$REAL_MODEL/config.json ] || \
+join_model $REAL_MODEL; } && ${mem[*]} && ${graphless[*]}"
 fi
 
 stage tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_static_decode.py tests/test_grouped_decode.py \

@@ -173,3 +173,25 @@ def test_diagnose_reads_generated_completions_as_right_misread_or_miscalculated(
             if order in ("story", "recap"):
                 assert d.start_first
     assert orders["start_last"] > 20  # (and a start_last row's first number is an operand, not the start)
+
+
+def test_a_two_stage_recipe_trains_rl_on_answer_only_rows_its_sft_stage_never_saw():
+    """A recipe whose sft.path names other rows than RL's data.train (the transfer chain): RL's rows have final
+    answers only, and none of their questions is one of the SFT rows' (RL on rows the SFT stage learned would
+    measure recall, not what RL adds)."""
+    from docuchat_rl.config import load_config
+    from docuchat_rl.data import normalized
+
+    def questions(f):
+        return {normalized(json.loads(line)["question"]) for line in f.read_text().splitlines()}
+
+    checked = []
+    for path in sorted((ROOT / "config").glob("*.yaml")):
+        cfg = load_config(path)
+        if cfg.sft is None or not cfg.sft.path or cfg.sft.path == cfg.data.train:
+            continue
+        rl, sft = ROOT / cfg.data.train, ROOT / cfg.sft.path
+        assert json.loads((rl.parent / "meta.json").read_text()).get("answer_only"), (path.name, cfg.data.train)
+        assert not questions(rl) & questions(sft), path.name
+        checked.append(path.name)
+    assert "smollm2_transfer.yaml" in checked
