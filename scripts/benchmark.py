@@ -29,7 +29,8 @@ learning rate (constant), beta 0, mu 1, the "grpo" loss aggregation, and the cor
 step, our seconds per phase, rollout tokens/s, peak RSS, mean reward over the last 10 steps; then ours/TRL.
 TRL's rollout time is measured around its `generate` call. `--tensor-memory` also counts each side's tensors
 alive per phase (`docuchat_rl.memory.TensorBytes`: what CUDA's allocated memory counts, measurable on a CPU,
-where RSS also holds allocator caches; "start" is loading; TRL's "update" is all outside its `generate`).
+where RSS also holds allocator caches; "loaded": the weights, adapters and everything else alive once the
+trainer is built; TRL's "update" is all outside its `generate`).
 
 `--config RECIPE` runs a recipe instead (the real model: config/smollm2.yaml): both sides get its model,
 system prompt, every reward component with its weight and params (TRL: `reward_funcs` + `reward_weights`),
@@ -261,6 +262,8 @@ def run_ours(a) -> dict:
         # (kept: the run folder itself, whose metrics.jsonl is written step by step and whose final checkpoint
         # is the adapter evaluated; the trainer always checkpoints at its last step)
         trainer = Trainer(bench_config(a, out), on_phase=held.phase if held else None)
+        if held:
+            held.phase("loaded")  # (weights read from a file are counted here: no operation made them)
         history = trainer.train()
         trainer.close()
     rest = after_warmup(history, a)
@@ -391,6 +394,8 @@ def _run_trl(a, cfg, held) -> dict:
                               peft_config=LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha,
                                                      lora_dropout=cfg.lora.dropout,
                                                      target_modules=cfg.lora.target_modules, task_type="CAUSAL_LM"))
+        if held:
+            held.phase("loaded")  # (as on our side)
         policy = trainer.model
         plain_generate = policy.generate
 
@@ -429,7 +434,8 @@ def _run_trl(a, cfg, held) -> dict:
 
 
 def tensor_peaks(held) -> dict:
-    """`--tensor-memory`: the peak MiB of tensors alive in each phase (memory.TensorBytes; "start": loading)."""
+    """`--tensor-memory`: the peak MiB of tensors alive in each phase (memory.TensorBytes; "start": what loading
+    made by operations, "loaded": all alive once the trainer is built)."""
     return {"tensor_peaks_mb": {k: v / 2**20 for k, v in held.peaks.items()}} if held else {}
 
 
