@@ -118,7 +118,8 @@ class TensorBytes:
         """Count the tensors alive that no counted operation made (read from a file, made before `with`)."""
         with warnings.catch_warnings():  # (isinstance on a deprecated torch object warns)
             warnings.simplefilter("ignore")
-            found = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+            found = [obj for obj in gc.get_objects()  # (plain tensors and parameters: a subclass such as
+                     if type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter)]  # FakeTensor has no data)
         for obj in found:
             try:
                 self._count(obj)
