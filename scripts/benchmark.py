@@ -327,7 +327,7 @@ def run_trl(a) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         cfg = bench_config(a, scratch)  # (the same recipe our side runs)
     held = TensorBytes() if a.tensor_memory else None
-    with held or contextlib.nullcontext():  # (loading counted as "start", as on our side)
+    with held or contextlib.nullcontext():  # (phases as on our side: start, loaded, then rollout / update)
         return _run_trl(a, cfg, held)
 
 
