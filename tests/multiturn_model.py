@@ -12,9 +12,16 @@ from .conftest import MODEL
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 
 
-def teach_tool_calls(out: Path, steps: int = 150) -> Path:
+def teach_tool_calls(out: Path, steps: int = 600) -> Path:
     """The embedded model, taught for `steps` full fine-tuning steps that after a prompt listing tools it
-    writes CALL and, after a tool result, a short answer; saved with its tokenizer in `out`."""
+    writes CALL and, after a tool result, a short answer; saved with its tokenizer in `out`.
+
+    The tests sample it at temperature 1.0, so the 61-token call must be near certain on prompts it never saw
+    (a question of the test split, an environment's first observation after it): taught on 64 questions, half
+    with an observation, at lr 1e-3 after 20 warm-up steps, a held-out prompt's call costs ~0.01 nats in all
+    (99 % of sampled rows write it whole). Taught on 16 plain questions at 2e-3 for 150 steps, it cost 4.8
+    nats on a held-out question and 73 after an observation: a garbled call in most sampled rows ("<tol__call>"),
+    and tests failing on one CPU and passing on another."""
     import torch
 
     from docuchat_rl.config import load_config
@@ -27,17 +34,21 @@ def teach_tool_calls(out: Path, steps: int = 150) -> Path:
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(str(MODEL), dtype="float32", device="cpu")
     cfg = load_config(None)
-    examples = load_split(cfg.data, "train", 16)
+    examples = load_split(cfg.data, "train", 64)
     source = ToolSource.load(["tests.tool_envs.add"], "tests.tool_envs.Counter")
     protocol = Protocol(tok, source.schemas, "text")
     texts = []
-    for e in examples:
-        messages, kw = protocol.prompt_messages(prompt_turns(e.question, cfg.data.system_prompt))
+    for i, e in enumerate(examples):
+        turns = prompt_turns(e.question, cfg.data.system_prompt)
+        if i % 2:  # an environment's first observation, as the collector appends it to the last user turn
+            turns[-1] = {**turns[-1], "content": turns[-1]["content"] + f" You start at {i * 37 % 101}."}
+        messages, kw = protocol.prompt_messages(turns)
         prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
         texts.append((prompt, CALL + tok.eos_token))
     suffix = protocol.result_ids([("add", "5")])
     answer = tok("<think>\n2 + 3 = 5\n</think>\n<answer>5</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
     model.train()
     for step in range(steps):
         prompt, call = texts[step % len(texts)]
@@ -50,6 +61,7 @@ def teach_tool_calls(out: Path, steps: int = 150) -> Path:
         # clipped: unclipped, a few large early steps leave the model writing garbage on some CPUs (AVX2)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        warmup.step()
         opt.zero_grad()
     model.eval()
     out.mkdir(parents=True, exist_ok=True)

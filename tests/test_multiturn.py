@@ -163,7 +163,8 @@ class _Sampler:
         return gen
 
 
-def _conversations(taught, limits: TurnLimits, rows=8):
+def _conversations(taught, limits: TurnLimits, rows=8, add=None):
+    """`rows` conversations of the taught model with the `add` tool (or `add`, run under that name)."""
     s = _Sampler(taught, limits.max_new_tokens)
     source = ToolSource.load(["tests.tool_envs.add"], None)
     p = Protocol(s.tok, source.schemas, "text")
@@ -173,7 +174,7 @@ def _conversations(taught, limits: TurnLimits, rows=8):
     texts = [s.tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **kw) for m, kw in
              (p.prompt_messages(prompt_turns(x.question, s.cfg.data.system_prompt)) for x in e)]
     seeds = list(range(100, 100 + rows))
-    tools = [{"add": source.functions[0]} for _ in seeds]
+    tools = [{"add": add or source.functions[0]} for _ in seeds]
     return s, p, run_turns(s.first(texts, seeds), s.more, seeds, tools, p, limits)
 
 
@@ -245,7 +246,8 @@ def test_turn_and_call_limits_hold(taught):
     assert all(len(t) == 1 for t in none.turns)
     called = [c for t in none.turns for c in t[0].calls]
     assert called and all(c.error == "max_tool_calls" for c in called if c.name)
-    s, _, cut = _conversations(taught, TurnLimits(192, 3, 8, 5.0, 2))  # results cut to 2 tokens, said so
+    # results cut to 2 tokens, said so (the taught model's call adds 2 and 3: a result that says so in words)
+    s, _, cut = _conversations(taught, TurnLimits(192, 3, 8, 5.0, 2), add=lambda a, b: f"{a} plus {b} is {a + b}")
     shown = [c for t in cut.turns for turn in t if turn.ended == "tools" for c in turn.calls]
     assert shown and any(c.truncated for c in shown)
     for c in shown:  # the call keeps the text as inserted, and counts its tokens, the note included
