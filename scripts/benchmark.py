@@ -754,8 +754,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4, help="steps left out of each run's median")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each side, interleaved")
-    ap.add_argument("--lengths", choices=["natural", "fixed", "both"], default="both",
-                    help="natural EOS, fixed length (no EOS before max-new), or both")
+    ap.add_argument("--lengths", choices=["natural", "fixed", "both"], default=None,
+                    help="natural EOS, fixed length (no EOS before max-new), or both (the default; natural with --tools)")
     ap.add_argument("--lr", type=float, default=None, help="5e-4, or the recipe's")
     ap.add_argument("--temperature", type=float, default=None, help="1.0, or the recipe's")
     ap.add_argument("--trl-dtype", choices=["float32", "bfloat16"], default=None,
@@ -799,6 +799,8 @@ def main() -> None:
                          "memory counts, on any device; slows both sides alike)")
     ap.add_argument("--worker", choices=["ours", "trl"], help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.lengths is None:
+        a.lengths = "natural" if a.tools else "both"
     if a.sft:
         if a.worker:
             print(json.dumps(run_sft_ours(a) if a.worker == "ours" else run_sft_trl(a)))
@@ -810,6 +812,10 @@ def main() -> None:
             print_sft(a, report)
         return
     fill_settings(a)
+    if a.tools and a.lengths != "natural" and not a.worker:
+        # at fixed length EOS is banned before max-new tokens, so none of our turns ends in a call: no tool step
+        ap.error("--tools compares tool-using steps at natural lengths: at fixed length no turn ends, so our "
+                 "side runs no tool call")
     if a.config and a.lengths != "fixed" and a.only != "ours" and not a.worker:
         from docuchat_rl.config import load_config
 
