@@ -18,14 +18,14 @@ def teach_tool_calls(out: Path, steps: int = 600) -> Path:
 
     The tests sample it at temperature 1.0, so the 61-token call must be near certain on prompts it never saw
     (a question of the test split, an environment's first observation after it): taught on 64 questions, half
-    with an observation, at lr 1e-3 after 20 warm-up steps, a held-out prompt's call costs ~0.01 nats in all
-    (99 % of sampled rows write it whole). Taught on 16 plain questions at 2e-3 for 150 steps, it cost 4.8
+    with an observation, at lr 1e-3 after 20 warm-up steps, a held-out prompt's call costs 0.01-0.02 nats in
+    all (98-99 % of sampled rows write it whole). Taught on 16 plain questions at 2e-3 for 150 steps, it cost 4.8
     nats on a held-out question and 73 after an observation: a garbled call in most sampled rows ("<tol__call>"),
     and tests failing on one CPU and passing on another."""
     import torch
 
     from docuchat_rl.config import load_config
-    from docuchat_rl.data import load_split, prompt_turns
+    from docuchat_rl.data import load_split
     from docuchat_rl.modeling import load_model_and_tokenizer
     from docuchat_rl.sampling.multiturn import Protocol, ToolSource
 
@@ -38,13 +38,9 @@ def teach_tool_calls(out: Path, steps: int = 600) -> Path:
     source = ToolSource.load(["tests.tool_envs.add"], "tests.tool_envs.Counter")
     protocol = Protocol(tok, source.schemas, "text")
     texts = []
-    for i, e in enumerate(examples):
-        turns = prompt_turns(e.question, cfg.data.system_prompt)
-        if i % 2:  # an environment's first observation, as the collector appends it to the last user turn
-            turns[-1] = {**turns[-1], "content": turns[-1]["content"] + f" You start at {i * 37 % 101}."}
-        messages, kw = protocol.prompt_messages(turns)
-        prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
-        texts.append((prompt, CALL + tok.eos_token))
+    for i, e in enumerate(examples):  # half of them with an environment's first observation
+        texts.append((_prompt(tok, protocol, cfg, e.question, f" You start at {i * 37 % 101}." if i % 2 else ""),
+                      CALL + tok.eos_token))
     suffix = protocol.result_ids([("add", "5")])
     answer = tok("<think>\n2 + 3 = 5\n</think>\n<answer>5</answer>", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -80,20 +76,27 @@ def _call_cost(model, tok, protocol, cfg) -> dict[str, float]:
     observation appended (prompts the teaching never saw)."""
     import torch
 
-    from docuchat_rl.data import load_split, prompt_turns
+    from docuchat_rl.data import load_split
 
     call = tok(CALL + tok.eos_token, add_special_tokens=False)["input_ids"]
     cost = {}
     for kind, obs in (("plain", ""), ("observed", " You start at 58.")):
         nats = []
         for e in load_split(cfg.data, "test", 4):
-            turns = prompt_turns(e.question, cfg.data.system_prompt)
-            turns[-1] = {**turns[-1], "content": turns[-1]["content"] + obs}
-            messages, kw = protocol.prompt_messages(turns)
-            p = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw),
-                    add_special_tokens=False)["input_ids"]
+            p = tok(_prompt(tok, protocol, cfg, e.question, obs), add_special_tokens=False)["input_ids"]
             with torch.no_grad():
                 logits = model(input_ids=torch.tensor([p + call])).logits[0, len(p) - 1:-1]  # [len(call), V]
             nats.append(-logits.log_softmax(-1).gather(-1, torch.tensor(call)[:, None]).sum().item())
         cost[kind] = round(sum(nats) / len(nats), 4)
     return cost
+
+
+def _prompt(tok, protocol, cfg, question: str, observation: str) -> str:
+    """A question's prompt text as the collector renders it, an environment's first observation (or "")
+    appended to its last user turn."""
+    from docuchat_rl.data import prompt_turns
+
+    turns = prompt_turns(question, cfg.data.system_prompt)
+    turns[-1] = {**turns[-1], "content": turns[-1]["content"] + observation}
+    messages, kw = protocol.prompt_messages(turns)
+    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
