@@ -93,10 +93,9 @@ def _call_cost(model, tok, protocol, cfg) -> dict[str, float]:
 
 def _prompt(tok, protocol, cfg, question: str, observation: str) -> str:
     """A question's prompt text as the collector renders it, an environment's first observation (or "")
-    appended to its last user turn."""
+    appended by the collector's own rule."""
     from docuchat_rl.data import prompt_turns
+    from docuchat_rl.sampling.multiturn import _observed
 
-    turns = prompt_turns(question, cfg.data.system_prompt)
-    turns[-1] = {**turns[-1], "content": turns[-1]["content"] + observation}
-    messages, kw = protocol.prompt_messages(turns)
+    messages, kw = protocol.prompt_messages(_observed(prompt_turns(question, cfg.data.system_prompt), observation))
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw)
