@@ -131,7 +131,7 @@ def _whole_cdf_draw(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1)  # [R, 1]
 
 
-@pytest.mark.parametrize("v", [1_024, 49_152, 151_936])
+@pytest.mark.parametrize("v", [544, 1_024, 49_152, 151_936])  # (544: the embedded model's, one padded block)
 def test_the_block_draw_draws_the_whole_vocabularys_float64_cdf_tokens_from_the_same_uniforms(v):
     """Logits as a model's (a peaked head, a long tail), plain, with top-k / top-p removing tokens: 6,144 draws
     each, every one the token the whole-vocabulary float64 inverse CDF draws from the same uniform, its

@@ -92,6 +92,54 @@ def test_grouped_step_gives_the_model_forward_logits_as_rows_leave(tiny, arch):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                  {"rope_type": "dynamic", "factor": 2.0}])
+def test_grouped_step_follows_a_scaled_rotary_embedding(tiny, rope):
+    """A scaled rotary embedding: llama3's (static: read from the table made before the first token) and
+    dynamic NTK (its frequencies change with the positions asked: asked each token) give the model forward's
+    logits, the prompts' positions past the dynamic one's original length."""
+    import transformers as tf
+
+    _, tok = tiny
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                            rope_parameters={"rope_theta": 10000.0, **rope}, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    model = tf.LlamaForCausalLM(config).eval()
+    table = grouped_decode._RotaryTable.of(model.model.rotary_emb, model.model.embed_tokens.weight, 8)
+    assert (table is None) == (rope["rope_type"] == "dynamic")
+    grouped, plain = _step_by_step(model, tok)
+    for a, b in zip(grouped, plain):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_the_steps_rms_norm_and_rotary_table_are_the_models_numbers(tiny, arch):
+    """The step's shortcuts give the model's own numbers bit for bit: `F.rms_norm` for its float32 RMSNorm
+    (a bfloat16 one is the module itself), and the rotary table's cos and signed sine at each position
+    against the model's rotary module asked for those positions, rotate_half(x) sin as roll(x) signed sin."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    _, tok = tiny
+    model = _model(tok, arch)
+    norm = model.model.layers[0].input_layernorm
+    norm.weight.data.normal_()
+    x = torch.randn(7, 64) * 3
+    assert torch.equal(grouped_decode._norm(norm)(x), norm(x))
+    assert grouped_decode._norm(_model(tok, arch, torch.bfloat16).model.norm) is not None
+    assert isinstance(grouped_decode._norm(_model(tok, arch, torch.bfloat16).model.norm), torch.nn.Module)
+    rotary, like = model.model.rotary_emb, model.model.embed_tokens.weight
+    table = grouped_decode._RotaryTable.of(rotary, like, 300)
+    positions = torch.tensor([[0], [5], [137], [299]])  # [r, 1]
+    cos, sin = rotary(like, positions)  # [r, 1, D]
+    assert torch.equal(table.cos[positions[:, 0]], cos[:, 0])
+    q = torch.randn(4, 3, cos.shape[-1])  # [r, heads, D]
+    signed = table.signed_sin[positions[:, 0]][:, None]
+    assert torch.equal(q.roll(q.shape[-1] // 2, -1) * signed, rotate_half(q) * sin)
+
+
 def test_grouped_step_in_bf16_is_as_close_to_float32_as_the_model_forward(tiny):
     """In bf16 the grouped attention (bf16 matmuls, float32 softmax) is as accurate as the model's own
     SDPA forward: both measured against the float32 model's log-probs (measured: 6.6e-4 vs 6.5e-4 mean

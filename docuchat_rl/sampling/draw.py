@@ -37,6 +37,8 @@ def block_draw(logits: torch.Tensor, u: torch.Tensor, block: int = DRAW_BLOCK) -
     r, v = logits.shape
     nb = -(-v // block)
     top = logits.amax(-1, keepdim=True).double()  # [R, 1]
+    if nb == 1:  # one block (a small vocabulary): the draw below without its block-level steps
+        return _one_block(logits, top, u)
     x = logits if nb * block == v else torch.nn.functional.pad(logits, (0, nb * block - v), value=float("-inf"))
     sums = (x.view(r, nb, block).double() - top[:, :, None]).exp().sum(-1)  # [R, nb] float64 block sums
     cum = sums.cumsum(-1)  # [R, nb]
@@ -50,4 +52,19 @@ def block_draw(logits: torch.Tensor, u: torch.Tensor, block: int = DRAW_BLOCK) -
     last = torch.where(inside > 0, torch.arange(block, device=x.device), -1).amax(-1, keepdim=True)  # [R, 1]
     token = b * block + torch.minimum(j, last)  # [R, 1]
     logp = ((logits.gather(-1, token).double() - top) - cum[:, -1:].log()).float()  # [R, 1]
+    return token, logp
+
+
+def _one_block(logits: torch.Tensor, top: torch.Tensor, u: torch.Tensor):
+    """`block_draw` over a vocabulary of one block (logits [R, V], V <= the block): the exponentials once,
+    where the two-level draw takes them twice (the block sums, then the block the target is in), over the
+    vocabulary itself (no padding), and no search for the block. tests/test_generation.py checks its draws
+    against the whole float64 CDF's."""
+    inside = (logits.double() - top).exp()  # [R, V] float64
+    total = inside.sum(-1, keepdim=True)  # [R, 1]
+    j = torch.searchsorted(inside.cumsum(-1), u * total, right=True)  # [R, 1]
+    # (a target past the sum's end by rounding takes the last possible token, as the two-level draw does)
+    last = torch.where(inside > 0, torch.arange(logits.shape[-1], device=logits.device), -1).amax(-1, keepdim=True)
+    token = torch.minimum(j, last)  # [R, 1]
+    logp = ((logits.gather(-1, token).double() - top) - total.log()).float()  # [R, 1]
     return token, logp

@@ -27,6 +27,7 @@ hooks gather a layer's weights in its forward, which this step does not call).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..modeling import base_model
 
@@ -140,16 +141,28 @@ class GroupedSteps:
     Call it with the tokens just drawn (one per row still decoding) and their completion index t to get
     the next logits; `drop(keep)` removes finished rows. Rows keep their slot in the U x G grid (`grid`),
     so a group's rows are scored against its prompt together however many of them are left.
+
+    A token's step is mostly fixed per-operation cost at small sizes (4 prompts x 4 rows of the embedded
+    model: ~500 dispatched operations a token, against ~0.5 ms of matmuls in ~2 ms), so the step calls as
+    little as it can (`_Layer`): a projection whose forward is its weight's (plain, or a LoRA layer merged
+    into it) is one `F.linear` on that weight, not the module and peft's wrapper around it; a float32 Llama
+    RMSNorm is `F.rms_norm` (the same numbers, one call); the rotary embedding's cos/sin come from one
+    table computed before the first token by the model's own rotary module, and rotate_half(x) * sin is
+    `roll(x) * signed_sin` (the same products); the prompt's scores take the scale and mask in one
+    `baddbmm`, and the completion's read the key/value buffers as 3D views (no copy of the keys a token).
+    Anything else (an unmerged LoRA layer, another norm, a dynamic rotary embedding) is called as the model
+    calls it. Measured in docs/performance.md.
     """
 
     droppable = True  # finished rows may leave the batch
 
     def __init__(self, model, prefill_cache, attention_mask: torch.Tensor, repeats: int, max_new_tokens: int):
         lm = base_model(model)
-        self.decoder, self.lm_head = lm.model, lm.get_output_embeddings()
+        self.decoder, self.lm_head = lm.model, _direct(lm.get_output_embeddings())
         attn = self.decoder.layers[0].self_attn
         self.groups, self.repeats = attention_mask.shape[0], repeats  # U, G
         self.head_dim, self.per_kv = attn.head_dim, attn.num_key_value_groups  # D, n (query heads per KV head)
+        self.scaling = attn.scaling
         # keys and values are kept in the dtype attention multiplies in: under autocast (bf16-mixed) the
         # float32 keys the rotary embedding leaves would otherwise be cast anew by every step's matmuls
         device = attention_mask.device.type
@@ -159,13 +172,21 @@ class GroupedSteps:
         self.prompt_keys = [cast(layer.keys) for layer in prefill_cache.layers]  # per layer [U, KV, Lp, D]
         self.prompt_values = [cast(layer.values) for layer in prefill_cache.layers]
         first = self.prompt_keys[0]
-        rows, kv = self.groups * repeats, first.shape[1]
+        u, kv, lp = first.shape[:3]
+        self.kv = kv
+        rows = u * repeats
         self.keys = [first.new_empty(rows, kv, max_new_tokens, self.head_dim) for _ in self.prompt_keys]
         self.values = [first.new_empty(rows, kv, max_new_tokens, self.head_dim) for _ in self.prompt_keys]
         self.prompt_mask = additive_mask(attention_mask, first.dtype)  # [U, 1, 1, Lp]
+        width = repeats * self.per_kv  # G n: a prompt's query rows per KV head on the grid
+        self.grid_mask = self.prompt_mask.expand(u, kv, width, lp).reshape(u * kv, width, lp)  # [U KV, G n, Lp]
         self.next_pos = attention_mask.sum(1, keepdim=True).repeat_interleave(repeats, 0)  # [R, 1]
         self.grid: torch.Tensor | None = None  # [r]: each row's slot in the U x G grid (None: every row)
         self.filled = 0  # completion positions written so far
+        self.layers = [_Layer(layer) for layer in self.decoder.layers]
+        self.norm = _norm(self.decoder.norm)
+        hidden = self.decoder.embed_tokens.weight
+        self.rotary = _RotaryTable.of(self.decoder.rotary_emb, hidden, int(self.next_pos.max()) + max_new_tokens)
 
     def drop(self, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` [r'] (of the rows still decoding), in that order."""
@@ -187,30 +208,49 @@ class GroupedSteps:
     def __call__(self, tokens: torch.Tensor, t: int) -> torch.Tensor:
         """Logits [r, V] after tokens [r] at completion position t (0-based) of each row still decoding."""
         self.filled = t + 1  # (this step writes position t of every layer's buffers)
-        x = self.decoder.embed_tokens(tokens[:, None])  # [r, 1, hidden]
-        cos, sin = self.decoder.rotary_emb(x, self.next_pos + t)  # [r, 1, D] each
-        cos, sin = cos[:, :, None], sin[:, :, None]  # [r, 1, 1, D]: over KV heads and their query heads
-        for i, layer in enumerate(self.decoder.layers):
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, i, t)  # [r, 1, hidden]
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.decoder.norm(x))[:, -1]  # [r, V]
+        x = self.decoder.embed_tokens(tokens)  # [r, hidden]
+        pos = self.next_pos[:, 0] + t  # [r]
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos[pos], self.rotary.signed_sin[pos]  # [r, D] each
+        else:  # (a rotary embedding whose numbers depend on the positions asked together: asked each token)
+            cos, sin = self.decoder.rotary_emb(x, pos[:, None])  # [r, 1, D] each
+            cos, sin = cos[:, 0], _signed(sin[:, 0])
+        cos, sin = cos[:, None], sin[:, None]  # [r, 1, D]: over the heads
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(layer, layer.norm_in(x), cos, sin, i, t)  # [r, hidden]
+            x = x + layer.mlp(layer.norm_post(x))
+        return self.lm_head(self.norm(x))  # [r, V]
 
-    def _attention(self, attn, h, cos, sin, i: int, t: int) -> torch.Tensor:
-        """One layer's attention output [r, 1, hidden] for normed inputs h [r, 1, hidden]."""
-        r = h.shape[0]
-        q, k, v = rotary_qkv(attn, h, cos, sin, self.head_dim, self.per_kv)  # [r, KV, n, D], [r, KV, 1, D] x2
+    def _attention(self, layer: _Layer, h, cos, sin, i: int, t: int) -> torch.Tensor:
+        """One layer's attention output [r, hidden] for normed inputs h [r, hidden]."""
+        r, d, n, kv = h.shape[0], self.head_dim, self.per_kv, self.kv
+        half = d // 2
+        q, k = layer.q(h).view(r, kv * n, d), layer.k(h).view(r, kv, d)  # [r, H, D], [r, KV, D]
+        q = q * cos + q.roll(half, -1) * sin  # the models' apply_rotary_pos_emb: x cos + rotate_half(x) sin
+        k = k * cos + k.roll(half, -1) * sin
         if self.compute:  # (cast once here, not by each of the matmuls below)
             q = q.to(self.compute)
-        self.keys[i][:, :, t:t + 1].copy_(k)
-        self.values[i][:, :, t:t + 1].copy_(v)
-        keys, values = self.keys[i][:, :, :t + 1], self.values[i][:, :, :t + 1]  # [r, KV, t + 1, D]
-        prompt = (self._to_grid(q) @ self.prompt_keys[i].mT) * attn.scaling + self.prompt_mask  # [U, KV, G n, Lp]
-        scores = torch.cat([self._from_grid(prompt), (q @ keys.mT) * attn.scaling], -1)  # [r, KV, n, Lp + t + 1]
-        probs = scores.softmax(-1, dtype=torch.float32).to(keys.dtype)
-        lp = prompt.shape[-1]
-        out = (self._from_grid(self._to_grid(probs[..., :lp]) @ self.prompt_values[i])  # [r, KV, n, D]
-               + probs[..., lp:] @ values)
-        return attn.o_proj(out.reshape(r, 1, -1))  # [r, 1, hidden]
+        keys, values = self.keys[i], self.values[i]  # [r, KV, N, D]
+        keys[:, :, t].copy_(k)
+        values[:, :, t].copy_(layer.v(h).view(r, kv, d))
+        width = keys.shape[2]
+        keys3 = keys.view(r * kv, width, d)[:, :t + 1]  # [r KV, t + 1, D]: views, no copy
+        values3 = values.view(r * kv, width, d)[:, :t + 1]
+        q = q.view(r, kv, n, d)
+        u, lp = self.groups, self.prompt_mask.shape[-1]
+        grid_q = self._to_grid(q).reshape(u * kv, -1, d)  # [U KV, G n, D]
+        prompt = torch.baddbmm(self.grid_mask, grid_q, self.prompt_keys[i].view(u * kv, lp, d).mT,
+                               alpha=self.scaling)  # [U KV, G n, Lp]
+        own = torch.bmm(q.view(r * kv, n, d), keys3.mT).mul_(self.scaling).view(r, kv, n, t + 1)
+        scores = torch.cat([self._from_grid(prompt.view(u, kv, -1, lp)), own], -1)  # [r, KV, n, Lp + t + 1]
+        probs = scores.softmax(-1, dtype=torch.float32)
+        if probs.dtype != keys.dtype:
+            probs = probs.to(keys.dtype)
+        grid_p = self._to_grid(probs[..., :lp]).reshape(u * kv, -1, lp)  # [U KV, G n, Lp]
+        from_prompt = self._from_grid((grid_p @ self.prompt_values[i].view(u * kv, lp, d)).view(u, kv, -1, d))
+        out = torch.baddbmm(from_prompt.reshape(r * kv, n, d), probs[..., lp:].reshape(r * kv, n, t + 1),
+                            values3)  # [r KV, n, D]
+        return layer.o(out.view(r, -1))  # [r, hidden]
 
     def _to_grid(self, x: torch.Tensor) -> torch.Tensor:
         """Rows [r, KV, n, W] -> each prompt's G rows side by side [U, KV, G n, W] (zeros for dropped rows)."""
@@ -226,3 +266,65 @@ class GroupedSteps:
         kv, w = y.shape[1], y.shape[-1]
         rows = y.view(u, kv, g, -1, w).transpose(1, 2).reshape(u * g, kv, -1, w)  # [U G, KV, n, W]
         return rows if self.grid is None else rows.index_select(0, self.grid)
+
+
+def _direct(module):
+    """`module` as the step calls it: F.linear on its weight when its forward is just that (`_plain_linear`),
+    else the module itself."""
+    plain = _plain_linear(module)
+    if plain is None:
+        return module
+    weight, bias = plain.weight, plain.bias
+    return lambda x: F.linear(x, weight, bias)
+
+
+RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # weight * x rsqrt(mean(x^2) + eps), in float32
+
+
+def _norm(module):
+    """`module` as the step calls it: `F.rms_norm` for a float32 RMSNorm of the covered models (the same
+    numbers: checked in tests/test_grouped_decode.py), else the module (its own casts in lower precisions)."""
+    weight = getattr(module, "weight", None)
+    if type(module).__name__ not in RMS_NORMS or weight is None or weight.dtype != torch.float32:
+        return module
+    eps, shape = module.variance_epsilon, tuple(weight.shape)
+    return lambda x: (module(x) if x.dtype != torch.float32 or torch.is_autocast_enabled(x.device.type)
+                      else F.rms_norm(x, shape, weight, eps))
+
+
+class _Layer:
+    """One decoder layer's pieces as the step calls them (`_direct`, `_norm`)."""
+
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.q, self.k, self.v, self.o = (_direct(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+        self.norm_in, self.norm_post = _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)
+        gate, up, down = (_direct(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        act = mlp.act_fn
+        self.mlp = lambda x: down(act(gate(x)) * up(x))  # the models' MLP forward
+
+
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., D] with its first half negated: rotate_half(x) * sin == x.roll(D / 2, -1) * _signed(sin)
+    (rotate_half(x) is cat(-x2, x1), the roll cat(x2, x1): the same products, the sign moved)."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], -1)
+
+
+class _RotaryTable:
+    """cos and signed sin [P, D] of positions 0..P-1, from the model's own rotary module in one call (its
+    numbers per position do not depend on the other positions asked: position x inv_freq, elementwise)."""
+
+    STATIC = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies do not depend on the length
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.signed_sin = cos, _signed(sin)  # [P, D] each
+
+    @classmethod
+    def of(cls, rotary, like: torch.Tensor, positions: int) -> _RotaryTable | None:
+        """The table for `positions` positions, or None for a rotary embedding whose frequencies change with
+        the length asked (dynamic NTK, longrope: asked each token instead)."""
+        if getattr(rotary, "rope_type", "default") not in cls.STATIC:
+            return None
+        cos, sin = rotary(like, torch.arange(positions, device=like.device)[None])  # [1, P, D] each
+        return cls(cos[0], sin[0])
