@@ -156,6 +156,31 @@ def test_grouped_step_in_bf16_is_as_close_to_float32_as_the_model_forward(tiny):
     assert error(grouped) < 1.25 * error(plain)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bf16-mixed"])
+def test_grouped_steps_rotary_numbers_are_the_model_forwards(tiny, dtype):
+    """The rotary table holds, bit for bit and in the same dtype, the cos/sin the model's forward hands its
+    layers at each position: float32 under bf16-mixed too (the rotary module returns the dtype of the hidden
+    states it is given: the embedding's output, which bf16-mixed makes float32 over bfloat16 weights; a
+    bfloat16 table there put the sampler's log-probs 50% further from the trainer's)."""
+    from docuchat_rl.modeling import compute_context, enable_mixed
+
+    _, tok = tiny
+    model = _model(tok, "llama", torch.float32 if dtype == "float32" else torch.bfloat16)
+    if dtype == "bf16-mixed":
+        enable_mixed(model)
+    seen = []
+    model.model.rotary_emb.register_forward_hook(lambda module, args, out: seen.append(out))
+    with torch.no_grad(), compute_context(model):
+        cache, mask = _prefill(model, tok, _prompts(tok, 2))
+        steps = grouped_decode.GroupedSteps(model, cache, mask, 2, 8)
+        positions = torch.arange(5, 40)[None]  # [1, P]
+        model(input_ids=torch.full((1, 35), 7), position_ids=positions)
+    cos, sin = seen[-1]  # [1, P, D] each
+    assert cos.dtype == steps.rotary.cos.dtype == (torch.float32 if dtype == "bf16-mixed" else model.dtype)
+    assert torch.equal(steps.rotary.cos[positions[0]], cos[0])
+    assert torch.equal(steps.rotary.signed_sin[positions[0]], grouped_decode._signed(sin[0]))
+
+
 def test_grouped_step_runs_lora_layers_merged_or_not(tiny):
     """With peft LoRA layers in the tree (rollout.merge_adapter false) the step calls them like any
     projection; with them merged it runs the merged base layers. Both give the model forward's logits."""

@@ -185,7 +185,9 @@ class GroupedSteps:
         self.filled = 0  # completion positions written so far
         self.layers = [_Layer(layer) for layer in self.decoder.layers]
         self.norm = _norm(self.decoder.norm)
-        hidden = self.decoder.embed_tokens.weight
+        # (the rotary module returns its cos/sin in the dtype of the hidden states it is given: the embedding's
+        # output, which bf16-mixed makes float32 over bfloat16 weights)
+        hidden = self.decoder.embed_tokens(attention_mask.new_zeros(1))  # [1, hidden]
         self.rotary = _RotaryTable.of(self.decoder.rotary_emb, hidden, int(self.next_pos.max()) + max_new_tokens)
 
     def drop(self, keep: torch.Tensor) -> None:
