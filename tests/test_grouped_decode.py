@@ -173,6 +173,7 @@ def test_grouped_steps_rotary_numbers_are_the_model_forwards(tiny, dtype):
     with torch.no_grad(), compute_context(model):
         cache, mask = _prefill(model, tok, _prompts(tok, 2))
         steps = grouped_decode.GroupedSteps(model, cache, mask, 2, 8)
+        steps(torch.full((4,), 7), 0)  # (the table is made at the first step)
         positions = torch.arange(5, 40)[None]  # [1, P]
         model(input_ids=torch.full((1, 35), 7), position_ids=positions)
     cos, sin = seen[-1]  # [1, P, D] each

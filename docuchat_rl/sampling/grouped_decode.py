@@ -185,10 +185,8 @@ class GroupedSteps:
         self.filled = 0  # completion positions written so far
         self.layers = [_Layer(layer) for layer in self.decoder.layers]
         self.norm = _norm(self.decoder.norm)
-        # (the rotary module returns its cos/sin in the dtype of the hidden states it is given: the embedding's
-        # output, which bf16-mixed makes float32 over bfloat16 weights)
-        hidden = self.decoder.embed_tokens(attention_mask.new_zeros(1))  # [1, hidden]
-        self.rotary = _RotaryTable.of(self.decoder.rotary_emb, hidden, int(self.next_pos.max()) + max_new_tokens)
+        self.positions = int(self.next_pos.max()) + max_new_tokens  # the rotary table's length
+        self.rotary: _RotaryTable | None = None  # made at the first step (`__call__`)
 
     def drop(self, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` [r'] (of the rows still decoding), in that order."""
@@ -211,6 +209,10 @@ class GroupedSteps:
         """Logits [r, V] after tokens [r] at completion position t (0-based) of each row still decoding."""
         self.filled = t + 1  # (this step writes position t of every layer's buffers)
         x = self.decoder.embed_tokens(tokens)  # [r, hidden]
+        if self.positions:  # the first step: the table, from these hidden states (the rotary module returns
+            # cos/sin in their dtype, which bf16-mixed makes float32 over bfloat16 weights)
+            self.rotary = _RotaryTable.of(self.decoder.rotary_emb, x, self.positions)
+            self.positions = 0  # (made once; None, for a dynamic rotary embedding, stays None)
         pos = self.next_pos[:, 0] + t  # [r]
         if self.rotary is not None:
             cos, sin = self.rotary.cos[pos], self.rotary.signed_sin[pos]  # [r, D] each
