@@ -497,8 +497,7 @@ def merged_adapter(model):
             for m in layers:
                 base = m.get_base_layer()
                 weight = base.weight
-                delta = sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)
-                merged = (weight.float() + delta.float()).to(weight.dtype)
+                merged = _merged_weight(m, weight)
                 swapped.append((base, weight))
                 base.weight = torch.nn.Parameter(merged, requires_grad=False)  # this module only
         # the LoRA wrappers step out of the module tree (their base layers, merged, take their place): a
@@ -515,6 +514,20 @@ def merged_adapter(model):
             setattr(parent, attr, m)
         for base, original in swapped:
             base.weight = original
+
+
+def _merged_weight(layer, weight: torch.Tensor) -> torch.Tensor:
+    """A LoRA layer's base weight with its active adapters' deltas added. One float32 adapter on a float32
+    weight: W + s B A as one addmm, the very weight the fused LoRA forward multiplies by
+    (learning/fused_lora.py), so the sampler and the update compute with the same numbers; else peft's delta
+    (B A s, transposed for fan-in-fan-out layers) added in float32."""
+    names = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(names) == 1 and not layer.fan_in_fan_out:
+        a, b = layer.lora_A[names[0]].weight, layer.lora_B[names[0]].weight  # [r, in], [out, r]
+        if weight.dtype == a.dtype == b.dtype == torch.float32:
+            return torch.addmm(weight, b, a, alpha=layer.scaling[names[0]])  # [out, in]
+    delta = sum(layer.get_delta_weight(n) for n in names)
+    return (weight.float() + delta.float()).to(weight.dtype)
 
 
 def adapter_digest(model) -> str | None:

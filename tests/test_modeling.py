@@ -201,6 +201,34 @@ def test_merged_adapter_gives_the_adapter_outputs_and_restores_weights_bit_for_b
     assert pm.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters is False
 
 
+def test_the_sampled_merged_weight_is_the_one_the_fused_update_multiplies_by():
+    """At a scaling that is no power of two (alpha 3, r 4: 0.75), the rollout's merged weight is, bit for bit,
+    the weight the fused LoRA forward builds for the update (learning/fused_lora.py), so the sampler and the
+    update multiply by the same numbers; the same projection's output agrees bit for bit too."""
+    from transformers import AutoModelForCausalLM
+
+    from docuchat_rl.learning.fused_lora import fuse_lora
+    from docuchat_rl.modeling import merged_adapter
+
+    pm = with_lora(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32), "all-linear", r=4, alpha=3)
+    torch.manual_seed(0)
+    for n, p in pm.named_parameters():
+        if "lora_" in n:
+            p.data.normal_(0, 0.05)
+    assert fuse_lora(pm) > 0
+    layer = pm.base_model.model.model.layers[1].mlp.down_proj
+    x = torch.randn(6, layer.in_features)
+    with torch.no_grad():
+        trained = layer(x)  # the fused forward: F.linear(x, addmm(W, B, A, alpha=s))
+        with merged_adapter(pm):
+            merged = layer.get_base_layer().weight
+            sampled = torch.nn.functional.linear(x, merged)
+    assert layer.scaling["default"] == 0.75
+    assert torch.equal(merged, torch.addmm(layer.base_layer.weight, layer.lora_B["default"].weight,
+                                           layer.lora_A["default"].weight, alpha=0.75))
+    assert torch.equal(sampled, trained)
+
+
 def test_merged_adapter_restores_after_an_error_and_ignores_plain_models(tiny):
     from transformers import AutoModelForCausalLM
 
