@@ -185,8 +185,9 @@ class GroupedSteps:
         self.filled = 0  # completion positions written so far
         self.layers = [_Layer(layer) for layer in self.decoder.layers]
         self.norm = _norm(self.decoder.norm)
-        self.positions = int(self.next_pos.max()) + max_new_tokens  # the rotary table's length
-        self.rotary: _RotaryTable | None = None  # made at the first step (`__call__`)
+        self.table_length = int(self.next_pos.max()) + max_new_tokens  # positions the rotary table covers
+        self.rotary: _RotaryTable | None = None  # made at the first step (None after it: asked each token)
+        self.rotary_asked = False  # whether the first step has made the table (or found it cannot)
 
     def drop(self, keep: torch.Tensor) -> None:
         """Keep only the rows `keep` [r'] (of the rows still decoding), in that order."""
@@ -209,10 +210,10 @@ class GroupedSteps:
         """Logits [r, V] after tokens [r] at completion position t (0-based) of each row still decoding."""
         self.filled = t + 1  # (this step writes position t of every layer's buffers)
         x = self.decoder.embed_tokens(tokens)  # [r, hidden]
-        if self.positions:  # the first step: the table, from these hidden states (the rotary module returns
-            # cos/sin in their dtype, which bf16-mixed makes float32 over bfloat16 weights)
-            self.rotary = _RotaryTable.of(self.decoder.rotary_emb, x, self.positions)
-            self.positions = 0  # (made once; None, for a dynamic rotary embedding, stays None)
+        if not self.rotary_asked:  # the first step: the table, from these hidden states (the rotary module
+            # returns cos/sin in their dtype, which bf16-mixed makes float32 over bfloat16 weights)
+            self.rotary = _RotaryTable.of(self.decoder.rotary_emb, x, self.table_length)
+            self.rotary_asked = True
         pos = self.next_pos[:, 0] + t  # [r]
         if self.rotary is not None:
             cos, sin = self.rotary.cos[pos], self.rotary.signed_sin[pos]  # [r, D] each
