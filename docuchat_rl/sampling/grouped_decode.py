@@ -147,7 +147,7 @@ class GroupedSteps:
     little as it can (`_Layer`): a projection whose forward is its weight's (plain, or a LoRA layer merged
     into it) is one `F.linear` on that weight, not the module and peft's wrapper around it; a float32 Llama
     RMSNorm is `F.rms_norm` (the same numbers, one call); the rotary embedding's cos/sin come from one
-    table computed before the first token by the model's own rotary module, and rotate_half(x) * sin is
+    table made at the first step by the model's own rotary module, and rotate_half(x) * sin is
     `roll(x) * signed_sin` (the same products); the prompt's scores take the scale and mask in one
     `baddbmm`, and the completion's read the key/value buffers as 3D views (no copy of the keys a token).
     Anything else (an unmerged LoRA layer, another norm, a dynamic rotary embedding) is called as the model
@@ -169,11 +169,14 @@ class GroupedSteps:
         self.compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         cast = (lambda x: x.to(self.compute)) if self.compute else (lambda x: x)
         self.kv_dtype = prefill_cache.layers[0].keys.dtype  # (the model's own: what a turn cache keeps)
-        self.prompt_keys = [cast(layer.keys) for layer in prefill_cache.layers]  # per layer [U, KV, Lp, D]
-        self.prompt_values = [cast(layer.values) for layer in prefill_cache.layers]
+        self.prompt_keys = [cast(layer.keys).contiguous() for layer in prefill_cache.layers]  # per layer [U, KV, Lp, D]
+        self.prompt_values = [cast(layer.values).contiguous() for layer in prefill_cache.layers]
         first = self.prompt_keys[0]
         u, kv, lp = first.shape[:3]
         self.kv = kv
+        # the same, as the batched matmuls read them: per layer [U KV, Lp, D] (views)
+        self.grid_keys = [k.view(u * kv, lp, self.head_dim) for k in self.prompt_keys]
+        self.grid_values = [v.view(u * kv, lp, self.head_dim) for v in self.prompt_values]
         rows = u * repeats
         self.keys = [first.new_empty(rows, kv, max_new_tokens, self.head_dim) for _ in self.prompt_keys]
         self.values = [first.new_empty(rows, kv, max_new_tokens, self.head_dim) for _ in self.prompt_keys]
@@ -244,15 +247,14 @@ class GroupedSteps:
         q = q.view(r, kv, n, d)
         u, lp = self.groups, self.prompt_mask.shape[-1]
         grid_q = self._to_grid(q).reshape(u * kv, -1, d)  # [U KV, G n, D]
-        prompt = torch.baddbmm(self.grid_mask, grid_q, self.prompt_keys[i].view(u * kv, lp, d).mT,
-                               alpha=self.scaling)  # [U KV, G n, Lp]
+        prompt = torch.baddbmm(self.grid_mask, grid_q, self.grid_keys[i].mT, alpha=self.scaling)  # [U KV, G n, Lp]
         own = torch.bmm(q.view(r * kv, n, d), keys3.mT).mul_(self.scaling).view(r, kv, n, t + 1)
         scores = torch.cat([self._from_grid(prompt.view(u, kv, -1, lp)), own], -1)  # [r, KV, n, Lp + t + 1]
         probs = scores.softmax(-1, dtype=torch.float32)
         if probs.dtype != keys.dtype:
             probs = probs.to(keys.dtype)
         grid_p = self._to_grid(probs[..., :lp]).reshape(u * kv, -1, lp)  # [U KV, G n, Lp]
-        from_prompt = self._from_grid((grid_p @ self.prompt_values[i].view(u * kv, lp, d)).view(u, kv, -1, d))
+        from_prompt = self._from_grid((grid_p @ self.grid_values[i]).view(u, kv, -1, d))  # [r, KV, n, D]
         out = torch.baddbmm(from_prompt.reshape(r * kv, n, d), probs[..., lp:].reshape(r * kv, n, t + 1),
                             values3)  # [r KV, n, D]
         return layer.o(out.view(r, -1))  # [r, hidden]
