@@ -522,6 +522,8 @@ def _merged_weight(layer, weight: torch.Tensor) -> torch.Tensor:
     (learning/fused_lora.py), so the sampler and the update compute with the same numbers; else peft's delta
     (B A s, transposed for fan-in-fan-out layers) added in float32."""
     names = [a for a in layer.active_adapters if a in layer.lora_A]
+    if not names:  # (no active adapter on this layer: its weight as it is)
+        return weight.detach()
     if len(names) == 1 and not layer.fan_in_fan_out:
         a, b = layer.lora_A[names[0]].weight, layer.lora_B[names[0]].weight  # [r, in], [out, r]
         if weight.dtype == a.dtype == b.dtype == torch.float32:

@@ -229,6 +229,29 @@ def test_the_sampled_merged_weight_is_the_one_the_fused_update_multiplies_by():
     assert torch.equal(sampled, trained)
 
 
+def test_merged_adapter_leaves_a_layer_the_active_adapter_does_not_cover_as_it_is():
+    """Two adapters on different layers, the second active: the first one's layers hold no active adapter, and
+    the merge leaves their weights as they are (it added an empty sum before, and failed); the logits are the
+    unmerged model's."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from docuchat_rl.modeling import merged_adapter
+
+    pm = with_lora(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32), ["q_proj"], r=4, alpha=8)
+    pm.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], init_lora_weights=False))
+    pm.set_adapter("other")
+    ids = torch.tensor([[5, 17, 40, 99, 3]])
+    with torch.no_grad():
+        unmerged = pm(input_ids=ids).logits
+        with pm.disable_adapter():
+            base = pm(input_ids=ids).logits
+        with merged_adapter(pm):
+            merged = pm(input_ids=ids).logits
+    assert not torch.allclose(unmerged, base, atol=1e-3)  # the active adapter matters
+    torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)
+
+
 def test_merged_adapter_restores_after_an_error_and_ignores_plain_models(tiny):
     from transformers import AutoModelForCausalLM
 
