@@ -183,9 +183,12 @@ def test_the_worker_samples_what_the_learner_s_process_samples_and_a_killed_side
         assert x["async/lag"] == y["async/lag"] and math.isclose(x["loss"], y["loss"], rel_tol=1e-4, abs_tol=1e-7)
     worked = read_jsonl(full / "metrics.jsonl")
     assert max(m["time/rollout"] for m in worked[2:]) < 0.5  # sampled while updating
-    # tokens/s over the worker's own sampling seconds (not over the learner's wait, which is ~0)
+    # tokens/s over the worker's own sampling seconds (not over the learner's wait, which is ~0): those seconds
+    # outlast the wait once sampling overlaps the update (no fixed floor: 2 x 4 rows of 24 tokens took 0.07-0.17 s
+    # here after the leaner decode step of 2026-11-29, under 0.05 s on a fast moment)
     inline = read_jsonl(ref / "metrics.jsonl")
-    assert all(m["rollout_sampler_s"] > 0.05 for m in worked) and "rollout_sampler_s" not in inline[0]
+    assert all(m["rollout_sampler_s"] > 0 for m in worked) and "rollout_sampler_s" not in inline[0]
+    assert all(m["rollout_sampler_s"] > m["time/rollout"] for m in worked[2:])
     assert max(m["rollout_tokens_per_s"] for m in worked) < 20 * max(m["rollout_tokens_per_s"] for m in inline)
     from docuchat_rl.tools.replay import replay  # a worker run replays with its worker (same threads, same numbers)
 
