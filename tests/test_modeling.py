@@ -180,20 +180,26 @@ def _lora(model):
     return with_lora(model, "all-linear", r=8, alpha=16)
 
 
-def test_merged_adapter_gives_the_adapter_outputs_and_restores_weights_bit_for_bit():
-    from transformers import AutoModelForCausalLM
-
+def _three_ways(pm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A peft model's logits of one short row: with its adapter as peft runs it, with the adapter off, and
+    inside `merged_adapter`."""
     from docuchat_rl.modeling import merged_adapter
 
-    pm = _lora(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32))
-    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
     ids = torch.tensor([[5, 17, 40, 99, 3]])
     with torch.no_grad():
         unmerged = pm(input_ids=ids).logits
         with pm.disable_adapter():
             base = pm(input_ids=ids).logits
         with merged_adapter(pm):
-            merged = pm(input_ids=ids).logits
+            return unmerged, base, pm(input_ids=ids).logits
+
+
+def test_merged_adapter_gives_the_adapter_outputs_and_restores_weights_bit_for_bit():
+    from transformers import AutoModelForCausalLM
+
+    pm = _lora(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32))
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    unmerged, base, merged = _three_ways(pm)
     assert not torch.allclose(unmerged, base, atol=1e-3)  # the adapter matters
     assert torch.allclose(merged, unmerged, atol=1e-4)  # and the merged weights carry it
     after = dict(pm.named_parameters())
@@ -236,18 +242,10 @@ def test_merged_adapter_leaves_a_layer_the_active_adapter_does_not_cover_as_it_i
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM
 
-    from docuchat_rl.modeling import merged_adapter
-
     pm = with_lora(AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32), ["q_proj"], r=4, alpha=8)
     pm.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj"], init_lora_weights=False))
     pm.set_adapter("other")
-    ids = torch.tensor([[5, 17, 40, 99, 3]])
-    with torch.no_grad():
-        unmerged = pm(input_ids=ids).logits
-        with pm.disable_adapter():
-            base = pm(input_ids=ids).logits
-        with merged_adapter(pm):
-            merged = pm(input_ids=ids).logits
+    unmerged, base, merged = _three_ways(pm)
     assert not torch.allclose(unmerged, base, atol=1e-3)  # the active adapter matters
     torch.testing.assert_close(merged, unmerged, atol=1e-4, rtol=1e-4)
 
