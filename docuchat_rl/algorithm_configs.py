@@ -89,6 +89,8 @@ class _Clipped(_Algo):
     """Upper clip range: ratios above 1 + epsilon_high are clipped (DAPO clip-higher uses 0.28)."""
     num_iterations: int = Field(1, ge=1)
     """Policy updates (mu, or PPO epochs) per rollout, each ratio taken against the policy at the step's start (the proximal policy: under a fixed lag, not the sampler)."""
+    kl_bias_correction: bool = False
+    """With beta > 0: weight each token's k3 KL by the importance ratio pi / pi_old, not detached (TRL's use_bias_correction_kl, its default): the KL of the current policy, not the sampler's, which changes the gradient on-policy too."""
 
 
 class _ActorCritic(_Algo):
@@ -114,12 +116,20 @@ ALGORITHMS: dict[str, type[_Algo]] = {}
 
 
 def register_config(cls: type[_Algo]) -> type[_Algo]:
-    """Class decorator: the algorithm config model under its `name` default (the YAML/log name)."""
+    """Class decorator: the algorithm config model under its `name` default (the YAML/log name). The model gets an
+    implementation of its own (None until `algorithms.register_algorithm` attaches its class), never its parent's:
+    a config derived from GRPO's that names no class of its own is found out, not run as GRPO."""
     name = cls.model_fields["name"].default
     if name in ALGORITHMS:
         raise ValueError(f"algorithm {name!r} is already registered")
+    cls.implementation = None  # (its own, not inherited)
     ALGORITHMS[name] = cls
     return cls
+
+
+def unimplemented() -> list[str]:
+    """The registered algorithm configs with no class that runs them (`algorithms.register_algorithm`)."""
+    return sorted(f"{name} ({c.__name__})" for name, c in ALGORITHMS.items() if c.implementation is None)
 
 
 @register_config

@@ -37,7 +37,7 @@ from typing import Any
 from rewards.base import RewardError, check_function, own_objects
 
 from .config import Config, ConfigError, config_from_dict, load_config
-from .data import DataError, Example, examples_of, normalized
+from .data import DataError, Example, check_held_out_rows, examples_of, load_split
 from .errors import Preempted
 from .evaluation import compare
 from .workflow import evaluation
@@ -129,16 +129,6 @@ def rows_of(data, cfg: Config, what: str, limit: int | None = None) -> list[Exam
         raise ConfigError(str(e)) from None
 
 
-def check_disjoint(train: list[Example], held_out: list[Example]) -> None:
-    """Refuse an eval_dataset that shares a question with train_dataset (as normalized text: case, spacing and
-    punctuation aside), the rule SFT's held-out check and the generator follow: its accuracy would be recall."""
-    seen = {normalized(e.question) for e in train}
-    shared = [e for e in held_out if normalized(e.question) in seen]
-    if shared:
-        raise ConfigError(f"eval_dataset: {len(shared)} of its rows ask a question train_dataset holds (first: row "
-                          f"{shared[0].prompt_id}, {shared[0].question[:60]!r}): held-out rows must be new to training")
-
-
 _CLI_WORDS = [  # (a message of the engine, which the CLI and the API share, in the API's words)
     (re.compile(r"--set ([\w.]+)=(\S*?)([),;]|$|\s)"), lambda m: f"overrides={{{m.group(1)!r}: {m.group(2) or '...'}}}{m.group(3)}"),
     (re.compile(r"--stop-after (\d+)"), lambda m: f"stop_after={m.group(1)}"),
@@ -218,26 +208,6 @@ def _is_recipe(source) -> bool:
     return str(source).endswith((".yaml", ".yml")) or str(source) in builtin_recipes()
 
 
-def _lora_of(peft_config) -> dict[str, Any]:
-    """peft's LoraConfig as our lora section; an option that scales or shapes the adapter otherwise than alpha / r
-    on every layer is one line naming it (checkpoint.PLAIN_LORA: what a start adapter may not set either)."""
-    from peft import LoraConfig
-
-    from .checkpoint import PLAIN_LORA
-
-    if not isinstance(peft_config, LoraConfig):
-        raise ConfigError(f"peft_config: a peft LoraConfig (the adapter trained here is LoRA), not "
-                          f"{type(peft_config).__name__}")
-    for key, plain in PLAIN_LORA.items():
-        if getattr(peft_config, key, plain) not in (plain, None):
-            raise ConfigError(f"peft_config.{key}={getattr(peft_config, key)!r}: not supported here (LoRA layers scale "
-                              "by alpha / r on every layer)")
-    target = peft_config.target_modules
-    target = "all-linear" if target in (None, "all-linear") else sorted(target) if not isinstance(target, str) else [target]
-    return {"lora.r": peft_config.r, "lora.alpha": float(peft_config.lora_alpha),
-            "lora.dropout": float(peft_config.lora_dropout), "lora.target_modules": target}
-
-
 def _start_folder(start) -> str:
     """The hand-off: an SFTTrainer (its output folder), a run folder, a checkpoint or any adapter folder."""
     if isinstance(start, _Stage):
@@ -249,13 +219,16 @@ def _start_folder(start) -> str:
 
 class TrainOutput(dict):
     """What `train()` returns: eval.json's numbers ("before", "after", "change", as far as they got) as a dict, and
-    TRL's TrainOutput attributes: `global_step`, `training_loss` (the last step's loss) and `metrics` (the last
-    step's metrics record)."""
+    TRL's TrainOutput attributes: `global_step` (optimizer steps under a TRL config, as TRL counts them; else our
+    steps), `training_loss` (as transformers computes it: the mean loss of the optimizer steps this call took) and
+    `metrics` (the last step's metrics record)."""
 
-    def __init__(self, report: dict, global_step: int, metrics: dict):
+    def __init__(self, report: dict, global_step: int, history: list[dict]):
         super().__init__(report)
-        self.global_step, self.metrics = global_step, metrics
-        self.training_loss = metrics.get("loss")
+        self.global_step, self.metrics = global_step, history[-1] if history else {}
+        losses = [m["loss"] for m in history if m.get("loss") is not None]  # (each step's: the mean of its optimizer
+        # steps', the same number a step, so the mean of these is the mean over the optimizer steps)
+        self.training_loss = sum(losses) / len(losses) if losses else None
 
 
 class _Callbacks:
@@ -265,6 +238,7 @@ class _Callbacks:
     def __init__(self, callbacks: list, args):
         from transformers import TrainerControl, TrainerState
 
+        callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]  # (a class is made, as TRL makes it)
         for cb in callbacks:
             if not any(callable(getattr(cb, e, None)) for e in EVENTS):
                 raise ConfigError(f"callbacks: {cb!r} has none of {', '.join(EVENTS)} (a transformers.TrainerCallback)")
@@ -309,35 +283,45 @@ class _Stage:
         _check_arguments(recipe if recipe is not None else "default", rewards, model, tokenizer, overrides, resume)
         if callbacks is not None and not isinstance(callbacks, (list, tuple)):
             raise ConfigError(f"callbacks: a list of transformers.TrainerCallback objects, not {type(callbacks).__name__}")
-        self.trainer, self._closed, self._objects = None, False, {}
+        self._trainer, self._closed, self._objects, self._said_done = None, False, {}, False
         with _api_words(), own_objects(self._objects):  # (the rewards are checked by name while the recipe loads)
             self._setup(recipe if recipe is not None else "default", rewards, args, train_dataset, eval_dataset,
                         model, tokenizer, peft_config, list(callbacks or []), overrides, resume, start_from)
 
     def _setup(self, recipe_, rewards, args, train_dataset, eval_dataset, model, tokenizer, peft_config, callbacks,
                overrides, resume, start_from) -> None:
-        from .trl_args import kind_of, overrides_of, unshared_defaults
+        from .trl_args import kind_of, kept_from_recipe, lora_of, needs_rows, translate
 
-        trl = {}
+        mine = dict(overrides) if isinstance(overrides, dict) else overrides
+        trl, translation, given = {}, None, set()
         if args is not None:
             if kind_of(args) != self.kind:
                 raise ConfigError(f"args: {type(self).__name__} takes TRL's "
                                   f"{'SFTConfig' if self.kind == 'sft' else 'GRPOConfig'}, not {type(args).__name__}")
-            trl = overrides_of(args)
+            rows = None
+            if needs_rows(args):  # (a run counted in epochs: its training rows, given or the recipe's)
+                rows = (len(train_dataset) if train_dataset is not None else
+                        len(load_split(recipe(recipe_, mine).data, "train")))
+            translation = translate(args, rows)
+            trl = dict(translation.overrides)
         if peft_config is not None:
-            trl.update(_lora_of(peft_config))
+            trl.update(lora_of(peft_config))
         if start_from is not None:
             trl["lora.init_from"] = _start_folder(start_from)
-        mine = dict(overrides) if isinstance(overrides, dict) else overrides
         cfg = recipe(recipe_, {**trl, **mine} if isinstance(mine, dict) else [*_sets(trl), *(mine or [])])
         if rewards is not None:  # (callables go into self._objects, this trainer's own: own_objects)
             rewards = list(rewards) if isinstance(rewards, (list, tuple)) else [rewards]
             specs = reward_specs(rewards, self._objects)
-            weights = getattr(args, "reward_weights", None) if args is not None else None
-            if weights is not None:  # (TRL's reward_weights: one per reward function, in order)
-                if len(weights) != len(specs):
-                    raise ConfigError(f"args.reward_weights: {len(weights)} weights for {len(specs)} reward functions")
-                specs = [{**spec, "weight": float(w)} for spec, w in zip(specs, weights)]
+            given.add("rewards")
+        else:
+            specs = [c.model_dump() for c in cfg.rewards.components]
+        weights = getattr(args, "reward_weights", None) if args is not None else None
+        if weights is not None:  # (TRL's reward_weights: one per reward function, in order)
+            if len(weights) != len(specs):
+                raise ConfigError(f"args.reward_weights: {len(weights)} weights for {len(specs)} reward functions "
+                                  f"({', '.join(s['name'] for s in specs)})")
+            specs = [{**spec, "weight": float(w)} for spec, w in zip(specs, weights)]
+        if rewards is not None or weights is not None:
             cfg = config_from_dict({**cfg.to_dict(), "rewards": {**cfg.rewards.model_dump(), "components": specs}})
         loaded = None
         if model is not None and not isinstance(model, (str, Path)):
@@ -346,25 +330,50 @@ class _Stage:
             loaded = (model, tokenizer)
         elif model is not None:
             cfg = config_from_dict(cfg.to_dict(), [f"model.name_or_path={model}"])
+        given |= {"model.name_or_path"} if model is not None else set()
+        given |= {"data.train", "data.prompt_column", "data.answer_column"} if train_dataset is not None else set()
+        given |= {"data.test"} if eval_dataset is not None else set()
         self._rows(cfg, train_dataset, eval_dataset)
-        if args is not None:
-            said = unshared_defaults(args, cfg)
+        if translation is not None:
+            source = recipe_ if isinstance(recipe_, (str, Path)) else "the given Config"
+            kept = kept_from_recipe(recipe(recipe_), set(trl), given | set(mine or {}) if isinstance(mine, dict)
+                                    else given | {x.split("=", 1)[0] for x in mine or []}, str(source),
+                                    peft_config is not None or start_from is not None)
+            said = [*translation.notes, *([kept] if kept else [])]
             if said:
-                warnings.warn(f"{type(args).__name__} fields left at TRL's default that this recipe sets otherwise (the "
-                              f"recipe's values are used; set a field to apply it): {'; '.join(said)}", stacklevel=3)
+                warnings.warn(f"{type(args).__name__}, run as TRL runs it: " + "; ".join(said), stacklevel=3)
         self.cfg, self._resume, self._loaded = cfg, resume, loaded
+        self._per_generation = translation.per_generation if translation is not None else 1
         self._calls, self._saves = _Callbacks(callbacks, args), []
         self._accuracy_said()
-        self.trainer = self._start()
-        self.out = Path(self.trainer.out_dir)
-        self.trainer.on_step, self.trainer.on_checkpoint = self._on_step, self._on_save
+
+    @property
+    def trainer(self):
+        """The running stage (our Trainer or SupervisedTrainer), started at its first use: the recipe, the rows and
+        the arguments are checked when this object is made; the run folder is claimed and the model loaded when it
+        is first trained, evaluated or asked (so `train(resume_from_checkpoint=...)`, as TRL scripts call it, can
+        still choose what it resumes). None once closed."""
+        if self._trainer is None and not self._closed:
+            with _api_words(), own_objects(self._objects):
+                self._trainer = self._start()
+            self._trainer.on_step, self._trainer.on_checkpoint = self._on_step, self._on_save
+        return self._trainer
+
+    @property
+    def out(self) -> Path:
+        """The run folder."""
+        return Path(self.trainer.out_dir)
 
     def _rows(self, cfg, train_dataset, eval_dataset) -> None:
         self.examples = rows_of(train_dataset, cfg, "train_dataset") if train_dataset is not None else None
         self.held_out = (rows_of(eval_dataset, cfg, "eval_dataset", cfg.eval.limit) if eval_dataset is not None
                          else None)
-        if self.examples is not None and self.held_out is not None:
-            check_disjoint(self.examples, self.held_out)
+        if self.examples is not None and self.held_out is not None:  # (both known now: said at the call; the
+            # Trainer checks every path again, the recipe's files included)
+            try:
+                check_held_out_rows(self.examples, {"eval_dataset": self.held_out}, "train_dataset")
+            except DataError as e:
+                raise ConfigError(str(e)) from None
 
     def _accuracy_said(self) -> None:
         """Custom rewards without the recipe's accuracy component: said once, with how to name one."""
@@ -389,9 +398,14 @@ class _Stage:
                           '(resume="latest"), or name it by its path (module:function)', stacklevel=4)
 
     # ---------------------------------------------------------------------------- the loop's events
+    def _global(self, step: int) -> int:
+        """Our step as TRL's state.global_step: optimizer steps under a TRL config (a step here is a generation and
+        its `_per_generation` optimizer steps), else the step itself."""
+        return step * self._per_generation
+
     def _on_step(self, m: dict) -> bool:
         calls = self._calls
-        calls.state.global_step, calls.state.max_steps = m["step"], self.trainer.total_steps
+        calls.state.global_step, calls.state.max_steps = self._global(m["step"]), self._global(self.trainer.total_steps)
         calls.state.log_history.append(dict(m))
         calls.fire("on_step_end")
         calls.fire("on_log", logs=dict(m))
@@ -403,14 +417,14 @@ class _Stage:
         return bool(calls.control.should_training_stop)
 
     def _on_save(self, step: int) -> None:
-        if step == self._calls.state.global_step:  # (after the step's events: a stop a callback asked for)
+        if self._global(step) == self._calls.state.global_step:  # (after the step's events: a stop a callback asked for)
             self._calls.fire("on_save")
         else:
             self._saves.append(step)
 
     def _open(self):
         """The running trainer, or one line for a closed one; errors inside in the API's words."""
-        if self.trainer is None or self._closed:
+        if self._closed:
             raise ConfigError(f"this {type(self).__name__} is closed (close() ran, or `with` ended): make a new one, "
                               'with resume="latest" to go on from its last checkpoint')
         return _api_words()
@@ -427,13 +441,18 @@ class _Stage:
         (each step's metrics record, as metrics.jsonl has it: the run's whole history, resumes included)."""
         from transformers import TrainerState
 
+        return TrainerState(global_step=self._global(self.trainer.step), max_steps=self._global(self.trainer.total_steps),
+                            log_history=self._history())
+
+    def _history(self) -> list[dict]:
+        """Every step's metrics record so far, as metrics.jsonl has them (a resumed run's included)."""
         from .outputs import read_jsonl
 
         path = self.out / "metrics.jsonl"
-        history = [r for r in read_jsonl(path) if isinstance(r.get("step"), int)] if path.exists() else []
-        return TrainerState(global_step=self.trainer.step, max_steps=self.trainer.total_steps, log_history=history)
+        return [r for r in read_jsonl(path) if isinstance(r.get("step"), int)] if path.exists() else []
 
-    def train(self, stop_after: int | None = None) -> TrainOutput:
+    def train(self, stop_after: int | None = None, resume_from_checkpoint: bool | str | Path | None = None,
+              **trl_kwargs) -> TrainOutput:
         """The held-out set before (at step 0), the steps to the end (or `stop_after`, checkpointed; or a callback's
         `control.should_training_stop`, checkpointed), the held-out set after (a finished run). Returns a
         TrainOutput: eval.json's numbers ("before", "after", "change": each accuracy's difference after - before
@@ -443,9 +462,20 @@ class _Stage:
         do_eval = bool(self.cfg.eval.before_and_after and (self.cfg.data.test or self.held_out is not None))
         if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int)):
             raise ConfigError(f"stop_after: a step number, not {type(stop_after).__name__} {stop_after!r}")
+        if trl_kwargs:  # (TRL's train() takes trial= and ignore_keys_for_eval= too: no search or eval keys here)
+            raise ConfigError(f"train({next(iter(trl_kwargs))}=...): not supported here (train takes stop_after and "
+                              "resume_from_checkpoint)")
+        self._resume_from(resume_from_checkpoint)
         calls = self._calls
         with self._open(), own_objects(self._objects):
-            calls.state.global_step, calls.state.max_steps = self.trainer.step, self.trainer.total_steps
+            if self.trainer.step >= self.trainer.total_steps and not self._said_done:
+                self._said_done = True
+                warnings.warn(f"this run is finished (step {self.trainer.step} of run.steps {self.trainer.total_steps}): "
+                              "train() trains nothing more; resume it with more steps, or make a new trainer",
+                              stacklevel=2)
+            calls.state.global_step = self._global(self.trainer.step)
+            calls.state.max_steps = self._global(self.trainer.total_steps)
+            calls.state.log_history = self._history()  # (after a resume: the whole run's, as TRL restores it)
             calls.control.should_training_stop = False
             calls.fire("on_train_begin")
             if do_eval and self.trainer.step == 0:
@@ -464,7 +494,22 @@ class _Stage:
             calls.fire("on_train_end")
         if "before" in report and "after" in report:  # (eval.json's change: each accuracy's difference, its interval)
             report["change"] = compare(report["after"], report["before"])
-        return TrainOutput(report, self.trainer.step, history[-1] if history else {})
+        return TrainOutput(report, self._global(self.trainer.step), history)
+
+    def _resume_from(self, value) -> None:
+        """TRL's train(resume_from_checkpoint=): True is the run folder's latest checkpoint, a path that checkpoint
+        (or run folder); taken before the run starts, as our resume= (one line if it started otherwise)."""
+        if value is None or value is False:
+            return
+        if not isinstance(value, (bool, str, Path)):
+            raise ConfigError(f"resume_from_checkpoint: True (the latest checkpoint) or a checkpoint folder, not "
+                              f"{type(value).__name__} {str(value)[:40]!r}")
+        want = "latest" if value is True else str(value)
+        if self._trainer is not None and self._resume != want:
+            raise ConfigError(f"resume_from_checkpoint={value!r}: this {type(self).__name__} has started its run "
+                              f"already ({'resumed from ' + str(self._resume) if self._resume else 'fresh'}); make a new "
+                              f"one with resume={want!r}, or pass resume_from_checkpoint to its first train()")
+        self._resume = want
 
     def evaluate(self) -> dict:
         """The held-out numbers of the adapter as it is now (greedy accuracy, pass@k, each reward's mean)."""
@@ -475,16 +520,24 @@ class _Stage:
                  top_p: float = 1.0, top_k: int = 0) -> list[str]:
         """Completions of `prompts` with the adapter as it is now, through the recipe's template and system prompt
         (`generate`'s records); greedy unless a `temperature` is given."""
+        from .config import out_of_bounds
         from .tools.inference import sample_records
 
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or \
                 not all(isinstance(p, str) for p in prompts):
             raise ConfigError(f"prompts: a list of texts, not {type(prompts).__name__} {str(prompts)[:40]!r}")
+        given = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+        for name, value in given.items():  # (the CLI's bounds: config.BOUNDS)
+            problem = value is not None and out_of_bounds(name, value)
+            if problem:
+                greedy = " (for greedy decoding leave temperature out)" if name == "temperature" else ""
+                raise ConfigError(f"{name}: {problem}, not {value!r}{greedy}")
         self._open()
         rows = [Example(i, q, "") for i, q in enumerate(prompts)]
         records = sample_records(self.trainer.policy_model, self.trainer.tokenizer, self.cfg, rows,
                                  do_sample=temperature is not None, temperature=temperature or 1.0, top_p=top_p,
-                                 top_k=top_k, max_new_tokens=max_new_tokens or self.cfg.eval.max_new_tokens)
+                                 top_k=top_k, max_new_tokens=max_new_tokens if max_new_tokens is not None else
+                                 (self.cfg.eval.max_new_tokens or self.cfg.rollout.max_new_tokens))
         return [r["completion"] for r in records]
 
     def save_model(self, output_dir: str | Path | None = None, merged: bool = False) -> Path:
@@ -516,10 +569,10 @@ class _Stage:
     def close(self) -> None:
         """Release the run folder and close its files (a second close does nothing); a model the caller loaded
         loses the LoRA layers put into it (peft's unload), as it was given."""
-        if self.trainer is not None and not self._closed:
-            self.trainer.close()
-            if self._loaded is not None and hasattr(self.trainer.policy_model, "unload"):
-                self.trainer.policy_model.unload()
+        if self._trainer is not None and not self._closed:
+            self._trainer.close()
+            if self._loaded is not None and hasattr(self._trainer.policy_model, "unload"):
+                self._trainer.policy_model.unload()
         self._closed = True
 
     def __enter__(self):

@@ -75,7 +75,7 @@ def _seal(folder: Path) -> None:
         _fsync_path(d)
 
 
-def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int, dist=None) -> Path:
+def save_checkpoint(out_dir: Path, step: int, write_into, keep_last: int | None, dist=None) -> Path:
     """`write_into(folder)` fills a temporary folder; sealed and synced, it then becomes checkpoint-{step}.
     With `dist` (several processes) every process calls this: the main one prepares and completes the
     folder, all of them write into it in between."""
@@ -173,9 +173,9 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def prune(out_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints, and any half-written `.tmp` folder."""
-    for old in list_checkpoints(out_dir)[:-keep_last]:
+def prune(out_dir: Path, keep_last: int | None) -> None:
+    """Delete all but the newest `keep_last` checkpoints (None: keep all), and any half-written `.tmp` folder."""
+    for old in list_checkpoints(out_dir)[:-keep_last] if keep_last else []:
         shutil.rmtree(old, ignore_errors=True)
     for stale in Path(out_dir).glob("checkpoint-*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -237,7 +237,8 @@ def same_model(a: str | None, b: str) -> bool:
 
 PLAIN_LORA = {"use_rslora": False, "alpha_pattern": {}, "rank_pattern": {}, "use_dora": False}  # peft's
 # adapter_config.json options that change a layer's scale or form from alpha / r (rsLoRA: alpha / sqrt(r); the
-# patterns: per module; DoRA: a magnitude vector), at the values that leave it alpha / r
+# patterns: per module; DoRA: a magnitude vector), at the values that leave it alpha / r; a start adapter must
+# set them as the recipe's lora section does (DoRA, which it cannot, never)
 
 
 def load_start_adapter(model, folder: Path, lora, model_name: str, key: str = "lora.init_from",
@@ -258,11 +259,13 @@ def load_start_adapter(model, folder: Path, lora, model_name: str, key: str = "l
         state = load_file(str(folder / "adapter_model.safetensors"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{key} {folder}: its adapter cannot be read ({e})") from None
-    scaled = [f"{k}: {meta[k]}" for k, plain in PLAIN_LORA.items() if meta.get(k, plain) not in (plain, None)]
-    if scaled:  # (our LoRA layers scale by alpha / r everywhere: an adapter trained otherwise would start elsewhere)
+    theirs = {k: plain if meta.get(k) is None else meta[k] for k, plain in PLAIN_LORA.items()}
+    scaled = [f"{k}: {theirs[k]}" for k, plain in PLAIN_LORA.items() if theirs[k] != getattr(lora, k, plain)]
+    if scaled:  # (a layer scaled otherwise than the recipe's lora section scales it would start elsewhere)
         raise CheckpointError(f"{key} {folder}: its adapter_config.json sets {scaled[0]}, which scales or shapes "
-                              "the adapter otherwise than alpha / r on every layer (the recipe's lora section): its "
-                              "first step would not be the policy peft loads; start from an adapter without it")
+                              "the adapter otherwise than the recipe's lora section (lora.use_rslora, rank_pattern, "
+                              "alpha_pattern; DoRA is not built): its first step would not be the policy peft loads; "
+                              "set lora to the adapter's, or start from another adapter")
     own = get_peft_model_state_dict(model, adapter_name=adapter_name)
     theirs = {k: tuple(v.shape) for k, v in state.items()}
     mine = {k: tuple(v.shape) for k, v in own.items()}
@@ -323,6 +326,23 @@ def saved_config(folder: Path) -> dict | None:
         # (written before grouped_decode was decided per engine: on for a decode loop the hf engine never runs)
         config = {**config, "rollout": {**rollout, "grouped_decode": False}}
     return config
+
+
+SFT_MARK = "sft_targets.jsonl"  # (the file only `docuchat-rl sft` writes into its run folder)
+
+
+def check_stage(folder: Path, command: str) -> None:
+    """A checkpoint is resumed by the stage that wrote it: `train` refuses an SFT stage's (its folder holds
+    sft_targets.jsonl), `sft` a train run's; one line saying which command resumes it, before anything is
+    claimed or loaded."""
+    sft = (Path(folder).parent / SFT_MARK).exists() or (Path(folder) / SFT_MARK).exists()
+    if command == "train" and sft:
+        raise CheckpointError(f"{folder} is a checkpoint of the SFT stage (docuchat-rl sft wrote it): resume it with "
+                              "`docuchat-rl sft --resume`, or start RL from its adapter (lora.init_from, or the "
+                              "recipe's sft section)")
+    if command == "sft" and not sft:
+        raise CheckpointError(f"{folder} is a checkpoint of an RL run (docuchat-rl train wrote it), not of the SFT "
+                              "stage: resume it with `docuchat-rl train --resume`")
 
 
 def check_resumable(folder: Path, config: dict, applied: tuple[str, ...] = ()) -> list[str]:

@@ -46,6 +46,14 @@ def _number(kind, low, high=None, low_open=False):
 COUNT, NON_NEGATIVE = _number(int, 1), _number(int, 0)
 
 
+def _bounded(name: str):
+    """The argparse type of a sampling argument, from config.BOUNDS (the API checks the same table)."""
+    from .config import BOUNDS
+
+    kind, low, high, low_open = BOUNDS[name]
+    return _number(kind, low, high, low_open)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: built-in defaults = config/default.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -63,11 +71,10 @@ def _stage(p: argparse.ArgumentParser) -> None:
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample", action="store_true", help="sample with rollout.temperature/top_p/top_k (default greedy)")
-    p.add_argument("--temperature", type=_number(float, 0, low_open=True), default=None,
+    p.add_argument("--temperature", type=_bounded("temperature"), default=None,
                    help="sampling temperature (implies --sample)")
-    p.add_argument("--top-p", type=_number(float, 0, 1, low_open=True), default=None,
-                   help="nucleus mass (implies --sample)")
-    p.add_argument("--top-k", type=NON_NEGATIVE, default=None, help="top-k, 0 = off (implies --sample)")
+    p.add_argument("--top-p", type=_bounded("top_p"), default=None, help="nucleus mass (implies --sample)")
+    p.add_argument("--top-k", type=_bounded("top_k"), default=None, help="top-k, 0 = off (implies --sample)")
 
 
 def _version() -> str:
@@ -321,6 +328,18 @@ def cmd_eval(args) -> int:
         check_new_file(args.out, "--out")
     earlier = earlier_evaluation(args.against) if args.against else None
     cfg = _config_for(args)  # (with --adapter and no --config: the checkpoint's own recipe, as generate)
+    if earlier is not None:  # (refused before anything is evaluated: the settings are the recipe's)
+        from .data import DataError, load_split
+        from .evaluation import also_sets, incomparable, settings
+
+        expected = settings(cfg, load_split(cfg.data, "test", cfg.eval.limit))
+        for name, rows in also_sets(cfg).items():
+            expected.update({f"{name}/{k}": v for k, v in settings(cfg, rows).items()})
+        differ = incomparable(expected, earlier)
+        if differ:
+            raise DataError(f"--against {args.against}: not the same evaluation, so its numbers do not compare "
+                            f"({'; '.join(differ)}): evaluate both with the same rows, eval.max_new_tokens, "
+                            "eval.pass_k and sampling")
     # under torchrun / accelerate launch each process evaluates a share of the rows; the main one reports
     dist = Dist.from_accelerator(PartialState(cpu=on_cpu(cfg.model.device)))
     model, tok = load_policy(cfg.model, args.adapter, device=str(dist.device) if dist.active else None)

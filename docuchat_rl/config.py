@@ -11,6 +11,7 @@ a recipe is one readable file plus `--set` overrides.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,75 @@ def _count_or_auto(v):
 
 
 CountOrAuto = Annotated[int | Literal["auto"], AfterValidator(_count_or_auto)]  # a size decided per device
+
+
+def _steps_or_share(v):
+    if isinstance(v, float) and not v.is_integer() and not 0 < v < 1:
+        raise ValueError("must be a whole number of steps, or a share of the run's steps between 0 and 1")
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+StepsOrShare = Annotated[int | float, AfterValidator(_steps_or_share)]  # (transformers 5's rule for warmup_steps,
+# save_steps and eval_steps: a number below 1 is that share of the run's steps)
+
+
+def steps_of(value: int | float, total: int) -> int:
+    """A StepsOrShare as steps of a run of `total` steps: a share below 1 rounded up, as transformers does
+    (`TrainingArguments.get_warmup_steps`), so a TRL config's ratio means here what it means there.
+
+    >>> steps_of(0.1, 45), steps_of(10, 45), steps_of(0, 45)
+    (5, 10, 0)
+    """
+    return math.ceil(total * value) if 0 < value < 1 else int(value)
+
+
+def saves_at(step: int, every: int | float | None, total: int) -> bool:
+    """Whether step `step` of a run of `total` steps is one of a period's (checkpoint.every, eval.every: steps or a
+    share of the run; None: none)."""
+    return every is not None and step % max(1, steps_of(every, total)) == 0
+
+
+# The bounds of the sampling arguments the commands and the Python API take beside the recipe (`generate --top-p`,
+# RLTrainer.generate(top_p=...)): one table, read by both (cli._bounded, api), so neither accepts what the other
+# refuses. (kind, low, high, low excluded)
+BOUNDS: dict[str, tuple[type, float, float | None, bool]] = {
+    "temperature": (float, 0, None, True), "top_p": (float, 0, 1, True), "top_k": (int, 0, None, False),
+    "max_new_tokens": (int, 1, None, False), "n": (int, 1, None, False),
+}
+
+
+def out_of_bounds(name: str, value) -> str | None:
+    """Why `value` is not a `name` (BOUNDS), as a phrase (`must be above 0`), or None when it is one.
+
+    >>> out_of_bounds("top_p", 0.0), out_of_bounds("top_k", 3), out_of_bounds("max_new_tokens", 1.5)
+    ('must be above 0 and at most 1', None, 'must be a whole number')
+    """
+    kind, low, high, low_open = BOUNDS[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        return "must be a whole number" if kind is int else "must be a number"
+    if value != value or (value <= low if low_open else value < low) or (high is not None and value > high):
+        return f"must be {'above' if low_open else 'at least'} {low}" + (f" and at most {high}" if high is not None else "")
+    return None
+
+
+SCHEDULE_KEYS: dict[str, tuple[str, ...]] = {  # transformers' schedules (get_scheduler) and their own keywords
+    "constant": (), "linear": (), "cosine": ("num_cycles",), "cosine_with_restarts": ("num_cycles",),
+    "polynomial": ("lr_end", "power"), "inverse_sqrt": ("timescale",),
+    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
+    "cosine_warmup_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate"),
+    "warmup_stable_decay": ("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
+                            "num_cycles"),
+}  # (constant warms up over warmup_steps: transformers' constant_with_warmup; tests check these against transformers)
+Schedule = Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial", "inverse_sqrt",
+                   "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay"]
+
+
+def check_schedule_kwargs(schedule: str, kwargs: dict, key: str) -> None:
+    """Refuse a keyword transformers' schedule `schedule` does not take, naming `key` and the ones it does."""
+    wrong = sorted(set(kwargs) - set(SCHEDULE_KEYS[schedule]))
+    if wrong:
+        takes = ", ".join(SCHEDULE_KEYS[schedule]) or "none"
+        raise ValueError(f"{key}.{wrong[0]} is not a keyword of schedule {schedule} (its keywords: {takes})")
 
 
 class ConfigError(ValueError):
@@ -65,6 +135,25 @@ class ModelConfig(Section):
     """Turn the base model's dropout off (rollouts sample in eval mode; updates must score the same function)."""
     stop_tokens: list[str] = []
     """Texts of extra tokens that end a completion as EOS does, each one token of the vocabulary (e.g. "\n\n" for a base model that goes on with a question of its own); added to the model's EOS ids for every engine, evaluation and export; not part of the completion's text."""
+    chat_template: str | None = None
+    """A Jinja chat template file (.jinja) to use in place of the tokenizer's own (TRL's chat_template_path); saved with the tokenizer in every checkpoint and export."""
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Variables every rendering of the chat template gets (TRL's chat_template_kwargs, e.g. {enable_thinking: false}): set once in the template itself, so training, evaluation, SFT, chat and export all render with them."""
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _jinja_names(cls, v: dict) -> dict:
+        import json
+
+        for name, value in v.items():
+            if not name.isidentifier():
+                raise ValueError(f"{name!r} is not a template variable's name")
+            try:
+                json.dumps(value)
+            except TypeError:
+                raise ValueError(f"{name}: {type(value).__name__} is not a value a template can be given "
+                                 "(text, number, true/false, null, lists and maps of them)") from None
+        return v
 
 
 class LoraConfig(Section):
@@ -76,8 +165,22 @@ class LoraConfig(Section):
     """LoRA scaling numerator (scale = alpha / r)."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the LoRA input (0 keeps rollouts and updates on the same function)."""
-    target_modules: list[str] | Literal["all-linear"] = "all-linear"
-    """Module names to adapt, or all-linear for every linear layer but the output head."""
+    target_modules: list[str] | Literal["all-linear"] | None = "all-linear"
+    """Module names to adapt, all-linear for every linear layer but the output head, or null for peft's default for the architecture (q_proj and v_proj for Llama, Qwen2, Mistral)."""
+    exclude_modules: list[str] | None = None
+    """Module names left out of target_modules' match (peft's exclude_modules)."""
+    layers_to_transform: list[int] | None = None
+    """Adapt only these decoder layers, by index (peft's layers_to_transform; null: every layer)."""
+    layers_pattern: str | None = None
+    """With layers_to_transform: the name of the model's list of layers, when peft cannot tell it (e.g. layers)."""
+    use_rslora: bool = False
+    """Scale by alpha / sqrt(r) instead of alpha / r (rsLoRA, 2312.03732)."""
+    rank_pattern: dict[str, int] = Field(default_factory=dict)
+    """Per-module ranks that replace r, by name or regex (peft's rank_pattern)."""
+    alpha_pattern: dict[str, float] = Field(default_factory=dict)
+    """Per-module alphas that replace alpha, by name or regex (peft's alpha_pattern)."""
+    init_lora_weights: Literal[True, False, "gaussian"] = True
+    """How the adapter starts: true (B = 0: the base model exactly), gaussian (A gaussian, B = 0), false (both random: another model from the first step)."""
     fused: Switch = AUTO
     """Train each adapted Linear as one matmul with W + s*B*A instead of peft's three (same gradients; float32 only, off under FSDP2); auto: on on CPUs, off on GPUs (measured on CPUs only)."""
     init_from: str | None = None
@@ -141,7 +244,9 @@ class DifficultyConfig(Section):
     high: float = Field(1.0, gt=0, le=1)
     """A prompt whose last group's pass rate is at or above this is retired as mastered (the band is below it)."""
     revisit_after: int = Field(200, ge=1)
-    """Steps a retired prompt rests before the data order may draw it again (then its pass rate is measured anew)."""
+    """Steps a retired prompt rests; then it is due, and drawn again (its pass rate measured anew) in the revisit share, the longest-due first, or when the data order reaches it."""
+    revisit: float = Field(0.25, ge=0, le=1)
+    """Share of each step's prompts drawn from the due retired prompts, the longest-due first (with what the band leaves of the replay share); 0: only when the data order reaches them."""
     replay: float = Field(0.25, ge=0, le=1)
     """Share of each step's prompts drawn again from the band: prompts whose last group had a pass rate inside it, the longest-waiting first."""
     replay_after: int = Field(5, ge=1)
@@ -176,6 +281,8 @@ class DataConfig(Section):
     """Column holding the gold answer (GSM8K '#### N' endings are reduced to N); null: the data has none."""
     system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
     """System message put before every prompt through the chat template (null for none)."""
+    prompt_format: Literal["chat", "as_given"] = "chat"
+    """chat: every prompt through the chat template, after system_prompt and few_shot; as_given (TRL's): a text prompt as it is (with the BOS its tokenizer adds), a conversation through the chat template with its own turns only."""
     few_shot: list[FewShotTurn] = Field(default_factory=list)
     """Chat turns put before every prompt, after the system prompt: a demonstration of the answer's shape (e.g. a tool call, docs/tools.md)."""
     max_prompt_tokens: int = Field(512, ge=1)
@@ -189,6 +296,14 @@ class DataConfig(Section):
     def few_shot_turns(self) -> list[dict]:
         """data.few_shot as chat messages."""
         return [{"role": t.role, "content": t.content} for t in self.few_shot]
+
+    @model_validator(mode="after")
+    def _as_given(self) -> DataConfig:
+        if self.prompt_format == "as_given" and (self.system_prompt is not None or self.few_shot):
+            key = "system_prompt" if self.system_prompt is not None else "few_shot"
+            raise ValueError(f"data.{key} does not apply with data.prompt_format as_given (a prompt is used as the "
+                             f"data set gives it): set data.{key} to {'null' if key == 'system_prompt' else '[]'}")
+        return self
 
 
 class VLLMConfig(Section):
@@ -392,10 +507,12 @@ class OptimConfig(Section):
     """Optimizer epsilon."""
     alpha: float = Field(0.99, gt=0, lt=1)
     """RMSprop smoothing constant."""
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning-rate shape after warmup."""
-    warmup_steps: int = Field(0, ge=0)
-    """Optimizer steps of linear warmup from 0."""
+    schedule: Schedule = "constant"
+    """Learning-rate shape after warmup: transformers' schedule of that name (constant: constant_with_warmup)."""
+    schedule_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """The schedule's own keywords (transformers' lr_scheduler_kwargs: num_cycles, min_lr_rate, power, ...)."""
+    warmup_steps: StepsOrShare = Field(0, ge=0)
+    """Optimizer steps of linear warmup from 0 (a number below 1: that share of the run's optimizer steps, rounded up)."""
     max_grad_norm: float | None = Field(1.0, gt=0)
     """Clip the global gradient norm (null: no clipping)."""
     max_nonfinite_steps: int = Field(3, ge=1)
@@ -411,15 +528,20 @@ class OptimConfig(Section):
     logit_chunk: int | None = Field(None, ge=0)
     """Score this many completion positions at a time from the hidden states, never holding [rows, T, vocab] logits (0: off; null: 1024 when the vocabulary exceeds 32k tokens, else off)."""
 
+    @model_validator(mode="after")
+    def _schedule(self) -> OptimConfig:
+        check_schedule_kwargs(self.schedule, self.schedule_kwargs, "optim.schedule_kwargs")
+        return self
+
 
 
 class CheckpointConfig(Section):
     """How often checkpoints are written and how many are kept."""
 
-    every: int = Field(50, ge=1)
-    """Save a checkpoint every this many training steps (and always at the end)."""
-    keep_last: int = Field(3, ge=1)
-    """Checkpoints kept on disk; older ones are deleted after a new one is complete."""
+    every: StepsOrShare | None = Field(50, gt=0)
+    """Save a checkpoint every this many training steps, and always at the end (a number below 1: that share of the run's steps, rounded up; null: at the end only)."""
+    keep_last: int | None = Field(3, ge=1)
+    """Checkpoints kept on disk; older ones are deleted after a new one is complete (null: every one kept)."""
 
 
 class LoggingConfig(Section):
@@ -442,16 +564,24 @@ class EvalConfig(Section):
     """Evaluate on the first N held-out rows only (null: all)."""
     max_new_tokens: int | None = Field(None, ge=1)
     """Completion length for eval (null: rollout.max_new_tokens)."""
-    pass_k: int = Field(0, ge=0)
-    """Also sample k completions per prompt and report pass@k (0 = greedy only)."""
+    pass_k: int = Field(0, ge=0, le=4096)
+    """Also sample k completions per prompt and report pass@k (0 = greedy only; at most eval.batch_size, the completions one generate call holds)."""
     batch_size: int = Field(128, ge=1)
-    """Prompts per generate call in eval."""
+    """Completions per generate call in eval (greedy: as many prompts; with pass@k, batch_size // k prompts of k each)."""
     before_and_after: bool = True
     """`train` evaluates the model before and after training."""
-    every: int | None = Field(None, ge=1)
-    """Also evaluate every N training steps during `train`, appending to eval.jsonl (null: never)."""
+    every: StepsOrShare | None = Field(None, gt=0)
+    """Also evaluate every N training steps during `train`, appending to eval.jsonl (a number below 1: that share of the run's steps, rounded up; null: never)."""
     also: dict[str, str] = Field(default_factory=dict)
     """More held-out sets, name: file (or hub name), evaluated with the same settings whenever data.test is; their numbers are logged as `<name>/accuracy` and so on (a wording training never saw, say)."""
+
+    @model_validator(mode="after")
+    def _pass_k_fits(self) -> EvalConfig:
+        if self.pass_k > self.batch_size:  # (bounded before anything is allocated: one call holds a prompt's k)
+            raise ValueError(f"eval.pass_k ({self.pass_k}) is more than eval.batch_size ({self.batch_size}), the "
+                             "completions one generate call holds: raise eval.batch_size with it (memory grows with "
+                             "it) or lower eval.pass_k")
+        return self
 
     @field_validator("also")
     @classmethod
@@ -498,22 +628,31 @@ class SFTConfig(Section):
     steps: int | None = Field(None, ge=1)
     """Optimizer steps (null: sft.epochs passes over the SFT set)."""
     epochs: float | None = Field(None, gt=0)
-    """Passes over the SFT set, when sft.steps is null (null too: 1)."""
+    """Passes over the SFT set, when sft.steps is null (null too: 1): ceil(epochs x ceil(examples / batch_size)) steps, as transformers counts them."""
     batch_size: int = Field(16, ge=1)
     """Examples per optimizer step."""
     micro_batch_size: int | None = Field(None, ge=1)
     """Examples per forward (null: the whole batch); the loss is the same."""
     lr: float = Field(2.0e-4, gt=0)
     """Learning rate (the optimizer's other settings are optim's)."""
-    schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    """Learning-rate schedule over the SFT steps."""
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up steps."""
-    max_length: int = Field(1024, ge=1)
-    """Longest example, prompt and target tokens together; a longer one is refused, naming its row (never cut)."""
+    schedule: Schedule = "cosine"
+    """Learning-rate schedule over the SFT steps (transformers' of that name; constant: constant_with_warmup)."""
+    schedule_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """The schedule's own keywords (as optim.schedule_kwargs)."""
+    warmup_steps: StepsOrShare = Field(0, ge=0)
+    """Linear warm-up steps (a number below 1: that share of the SFT steps, rounded up)."""
+    max_length: int | None = Field(1024, ge=1)
+    """Longest example, prompt and target tokens together (null: the model's context); a longer one is refused naming its row, or cut as sft.truncation says."""
+    truncation: Literal["refuse", "keep_start", "keep_end"] = "refuse"
+    """An example longer than max_length: refused (naming its row), or cut to its first (TRL's keep_start) or last max_length tokens; a cut example's loss reads only the target tokens kept."""
+    eos_token: str | None = None
+    """The token a text target ends with (TRL's eos_token; null: the token the chat template ends an assistant turn with)."""
+    loss_tokens: Literal["target", "all", "by_format"] = "target"
+    """Which tokens the loss reads: the target's (the completion; a conversation's last assistant turn); every token but the first, prompt included; or by_format (TRL's default): all for a messages row, the target for a prompt/completion row."""
 
     @model_validator(mode="after")
     def _one_length(self) -> SFTConfig:
+        check_schedule_kwargs(self.schedule, self.schedule_kwargs, "sft.schedule_kwargs")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("sft.steps and sft.epochs both set: give one (steps wins nothing silently)")
         if self.source in ("traces", "jsonl") and not self.path:
@@ -641,6 +780,10 @@ class Config(Section):
         if self.data.difficulty is not None and r.async_lag:
             raise ValueError("data.difficulty cannot be used with rollout.async_lag (a fixed lag takes later steps' "
                              "prompts before the pass rates that choose them are known)")
+        if self.data.difficulty is not None and r.num_generations < 2:
+            raise ValueError("data.difficulty measures a prompt's pass rate over its group, and rollout.num_generations "
+                             f"is {r.num_generations}: a group of one is always right or wrong, never inside the band "
+                             "(use groups of 2 or more)")
         if self.data.difficulty is not None and self.data.curriculum is not None:
             raise ValueError("data.difficulty and data.curriculum both choose the prompts a step draws: use one")
         if self.data.difficulty is not None and self.rewards.accuracy_component not in names:
@@ -690,7 +833,7 @@ class Config(Section):
         if r.async_lag and r.async_lag >= self.run.steps:
             raise ConfigError(f"rollout.async_lag {r.async_lag} is not shorter than the run (run.steps "
                               f"{self.run.steps}): every step would sample with the initial adapter")
-        if self.eval.every is not None and self.eval.every > self.run.steps:
+        if self.eval.every is not None and steps_of(self.eval.every, self.run.steps) > self.run.steps:
             raise ConfigError(f"eval.every {self.eval.every} is longer than the run (run.steps {self.run.steps}): "
                               "no evaluation would run inside it (eval.before_and_after evaluates at its ends); "
                               "set eval.every=null or a shorter period")

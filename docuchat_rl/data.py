@@ -57,6 +57,19 @@ def normalized(question: str) -> str:
     return " ".join("".join(c if c.isalnum() else " " for c in question.lower()).split())
 
 
+def check_held_out_rows(train: list[Example], held_out: dict[str, list[Example]], what: str = "training") -> None:
+    """Refuse (DataError, one line naming the set's key and its first such row) a held-out set that asks a question
+    of the training rows, as `normalized` text: its accuracy would measure recall, not skill. `held_out`: each set
+    by the key that names it (data.test, eval.also.NAME, eval_dataset)."""
+    seen = {normalized(e.question) for e in train}
+    for key, rows in held_out.items():
+        shared = [e for e in rows if normalized(e.question) in seen]
+        if shared:
+            raise DataError(f"{key}: {len(shared)} of its {len(rows)} rows ask a question of the {what} rows (first: "
+                            f"row {shared[0].prompt_id}, {shared[0].question[:60]!r}): held-out rows must be new to "
+                            "training")
+
+
 def prompt_turns(question: str, system_prompt: str | None, messages: tuple[dict, ...] | None = None,
                  few_shot: list[dict] | tuple = ()) -> list[dict]:
     """A prompt's chat messages: `messages` (a conversational prompt) or the one user turn `question`, after
@@ -69,11 +82,23 @@ def prompt_turns(question: str, system_prompt: str | None, messages: tuple[dict,
     return turns
 
 
+def prompt_text(tokenizer: Any, d, example) -> str:
+    """An example's (`data.Example`'s) prompt as the run renders it under the data section `d` (config.DataConfig):
+    its system prompt, demonstrations and prompt format (render_prompt)."""
+    return render_prompt(tokenizer, example.question, d.system_prompt, example.messages, d.few_shot_turns,
+                         d.prompt_format == "as_given")
+
+
 def render_prompt(tokenizer: Any, question: str, system_prompt: str | None,
-                  messages: tuple[dict, ...] | None = None, few_shot: list[dict] | tuple = ()) -> str:
+                  messages: tuple[dict, ...] | None = None, few_shot: list[dict] | tuple = (),
+                  as_given: bool = False) -> str:
     """The model-ready prompt text: the chat template with the generation prompt appended. `messages`
     (a conversational prompt) replaces the one user turn `question`; `few_shot` turns go before it; the
-    system prompt goes first unless the messages already start with their own."""
+    system prompt goes first unless the messages already start with their own. `as_given` (data.prompt_format,
+    TRL's rule): a text prompt is the text itself after the BOS the tokenizer adds, as TRL tokenizes it; a
+    conversation goes through the chat template as it is."""
+    if as_given and messages is None:
+        return _bos(tokenizer) + question
     turns = prompt_turns(question, system_prompt, messages, few_shot)
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
@@ -161,10 +186,15 @@ def load_table(source: str, split: str, revision: str | None = None, subset: str
             check_utf8(path)
         if path.stat().st_size == 0 or (path.suffix.lower() == ".jsonl" and not check_json_lines(path, who)):
             raise DataError(f"{who}data file is empty: {source}")
+        import tempfile
+
         bars = datasets.utils.logging.is_progress_bar_enabled()
         datasets.utils.logging.disable_progress_bar()  # (a bar per local file read is noise on the terminal)
-        try:
-            table = datasets.load_dataset(fmt, data_files=str(path), split="train")
+        try:  # (read into memory through a cache of its own, removed after: a local file leaves no copy of itself
+            # under the user's home, as datasets' default cache would, one per file and content)
+            with tempfile.TemporaryDirectory(prefix="docuchat-data-") as cache:
+                table = datasets.load_dataset(fmt, data_files=str(path), split="train", cache_dir=cache,
+                                              keep_in_memory=True)
         except Exception as e:  # datasets wraps parser errors in many types
             raise DataError(f"could not read {source} as {fmt}: {e}") from e
         finally:
@@ -196,6 +226,11 @@ def examples_of(table, source: str, prompt_column: str, answer_column: str | Non
         if col is not None and col not in table.column_names:
             raise DataError(f"{source}: column {col!r} (data.{role}) not found; "
                             f"columns are {table.column_names}")
+    taken = [c for c in table.column_names if c in REWARD_ARGUMENTS and not (c == "answer" and c == answer_column)]
+    if taken:  # (reward_inputs would replace the column's values with ours, silently)
+        raise DataError(f"{source}: column {taken[0]!r} has the name of an argument docuchat-rl gives every reward "
+                        f"({REWARD_ARGUMENTS[taken[0]]}), which would replace its values: rename the column"
+                        + (" or name it as data.answer_column" if taken[0] == "answer" else ""))
     if limit is not None:
         table = table.select(range(min(limit, len(table))))
     out = []
@@ -259,6 +294,15 @@ def fingerprint(examples: list[Example]) -> dict:
                             ensure_ascii=False).encode("utf-8", "surrogatepass"))
         h.update(b"\n")
     return {"rows": len(examples), "sha256": h.hexdigest()[:16]}
+
+
+REWARD_ARGUMENTS = {  # the keywords reward_inputs adds to a row's columns (a data set's column of the name is refused)
+    "answer": "the gold final answer of data.answer_column", "answer_text": "the answer column as written",
+    "completion_tokens": "the completion's length in tokens", "truncated": "whether the completion was cut",
+    "prompt_id": "the row's index", "model_tokens": "the tokens the model wrote",
+    "prompts": "the prompts", "completions": "the completions", "completion_ids": "the completions' token ids",
+    "trainer_state": "the trainer's state", "log_extra": "the trace logger", "log_metric": "the metric logger",
+}
 
 
 def reward_inputs(examples: list[Example], completion_tokens: list[int], truncated: list[bool],
@@ -382,8 +426,10 @@ class DifficultySampler(PromptSampler):
     inside the band (low < rate < high) keeps the prompt in the band: up to `replay` of each step's prompts are
     drawn again, band prompts first, the longest-waiting first, once `replay_after` steps have passed since
     their last draw. A rate at or below `low` retires it as out of reach, at or above `high` as mastered: the
-    data order skips it, and `revisit_after` steps after its last draw it is drawn again (in the replay share,
-    after the band's prompts, or when the order reaches it) and measured anew. A prompt never drawn is
+    data order skips it, and `revisit_after` steps after its last draw it is due: drawn again and measured anew,
+    in the `revisit` share of each step (with what the band left of the replay share), the longest-due first, or
+    when the order reaches it. Due prompts are drawn in the order they fell due, so one waits at most
+    ceil(due before it / revisit slots) steps; `metrics` counts the backlog. A prompt never drawn is
     unknown, and drawn when the order reaches it. The whole state (the order's
     position, every drawn prompt's rate, groups, last draw and standing) is in `state()`, so a checkpoint
     resumes the same draws. The rule is hand-written: prime-rl's easy/hard pools and the filtering papers
@@ -414,9 +460,9 @@ class DifficultySampler(PromptSampler):
         band = sorted((r["drawn"], i) for i, r in self.prompts.items()
                       if r["standing"] == BAND and step - r["drawn"] >= c.replay_after and i not in self.drawn)
         chosen = [i for _, i in band[:quota]]
-        rested = sorted((r["drawn"], i) for i, r in self.prompts.items()
-                        if r["standing"] != BAND and step - r["drawn"] >= c.revisit_after and i not in self.drawn)
-        revisits = [i for _, i in rested[:quota - len(chosen)]]  # (retired prompts whose rest is over)
+        due = self.due(step)
+        slots = min(k - len(chosen), round(c.revisit * k) + quota - len(chosen))  # (and what the band left)
+        revisits = due[:max(slots, 0)]  # (retired prompts whose rest is over, the longest-due first)
         self.counts["replayed"] += len(chosen)
         self.counts["revisited"] += len(revisits)
         chosen += revisits
@@ -436,6 +482,13 @@ class DifficultySampler(PromptSampler):
             self.drawn[i] = r["rate"]
             r["drawn"] = step
         return chosen
+
+    def due(self, step: int) -> list[int]:
+        """The retired prompts whose rest is over at `step`, not drawn in it yet, the longest-due first."""
+        c = self.config
+        return [i for _, i in sorted((r["drawn"], i) for i, r in self.prompts.items()
+                                     if r["standing"] != BAND and step - r["drawn"] >= c.revisit_after
+                                     and i not in self.drawn)]
 
     def observe(self, step: int, idx: list[int], rates: list[float | None]) -> None:
         """Record each drawn prompt's group pass rate (None: no accuracy value, nothing learned of it)."""
@@ -457,6 +510,7 @@ class DifficultySampler(PromptSampler):
         drawn = [self.prompts[i]["rate"] for i in self.drawn]
         return {"difficulty/band_share": sum(map(self.in_band, drawn)) / len(drawn) if drawn else None,
                 "difficulty/replayed": self.counts["replayed"], "difficulty/revisited": self.counts["revisited"],
+                "difficulty/due": len(self.due(self.step)),
                 "difficulty/known": len(standing), "difficulty/in_band": standing.count(BAND),
                 "difficulty/mastered": standing.count(MASTERED), "difficulty/out_of_reach": standing.count(OUT_OF_REACH)}
 

@@ -29,7 +29,7 @@ import torch
 from rewards import CompositeReward
 
 from .config import Config
-from .data import Example, load_examples, load_split, render_prompt
+from .data import DataError, Example, load_examples, load_split, prompt_text
 from .distributed import Dist
 from .errors import ToolError
 from .modeling import eos_ids
@@ -50,7 +50,7 @@ class EvalRow:
     raw: dict[str, float | None]  # each reward component's raw score of the greedy completion
     tokens: int  # greedy completion length
     truncated: bool
-    hits: list[float]  # the accuracy component's raw score of each of the pass@k samples (empty when off)
+    hits: list[float | None]  # the accuracy component's raw score of each pass@k sample (None: no value; empty: off)
     calls: int = 0  # multi-turn: tool calls the greedy completion made
     failed_calls: int = 0  # multi-turn: of the calls that ran, those that failed (malformed, unknown tool, the
     # tool's error); a call a limit kept from running is neither
@@ -79,15 +79,17 @@ def evaluate(model, tokenizer, cfg: Config, examples: list[Example] | None = Non
     if examples is None:
         examples = load_split(cfg.data, "test", cfg.eval.limit)
     dist = dist or Dist()
-    out = _evaluate_set(model, tokenizer, cfg, examples, dist, lockstep)
+    out = _evaluate_set(model, tokenizer, cfg, examples, dist, lockstep, "data.test")
     for name, rows in (also_sets(cfg) if also is None else also).items():
-        out.update({f"{name}/{k}": v for k, v in _evaluate_set(model, tokenizer, cfg, rows, dist, lockstep).items()})
+        out.update({f"{name}/{k}": v for k, v in
+                    _evaluate_set(model, tokenizer, cfg, rows, dist, lockstep, f"eval.also.{name}").items()})
     static_decode.release(model)  # (its buffers, sized for evaluation's rows and tokens, are not training's)
     return out
 
 
-def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: Dist, lockstep) -> dict:
-    """One held-out set's numbers (see evaluate)."""
+def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: Dist, lockstep,
+                  key: str = "data.test") -> dict:
+    """One held-out set's numbers (see evaluate); `key` names the set in errors."""
     e = cfg.eval
     reward = build_reward(cfg.rewards, with_format=True)
     acc_name = cfg.rewards.accuracy_component
@@ -100,7 +102,7 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
     t0 = time.perf_counter()
     rows: list[EvalRow] = []
     if mine or lockstep:
-        rows = _evaluate_rows(model, tokenizer, cfg, reward, mine, max_new, k, first=lo, lockstep=lockstep)
+        rows = _evaluate_rows(model, tokenizer, cfg, reward, mine, max_new, k, first=lo, lockstep=lockstep, key=key)
     rows = dist.gather(rows)  # every row, in order, on every process
     model.train(was_training)
     failed = sum(r.reset_failed for r in rows)
@@ -108,7 +110,7 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
     if not rows and examples:
         raise ToolError(f"every one of the {len(examples)} held-out rows failed its environment's reset: "
                         "nothing to evaluate")
-    out: dict = {"rows": len(rows), "max_new_tokens": max_new}
+    out: dict = {"rows": len(rows), **settings(cfg, examples, k)}
     if failed:
         out["reset_failed"] = failed
     for name, mean in reward_means([r.raw for r in rows], reward.names).items():
@@ -117,8 +119,9 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
                        reward.names, "held-out completions")
     if gaps:  # (said by the command, one line each: traces.reward_gaps)
         out["reward_gaps"] = gaps
-    if acc_name in reward.names:
+    if acc_name in reward.names:  # (a row whose accuracy has no value is left out of the figure and of its n)
         out["accuracy"] = out[f"{acc_name}/mean"]
+        out["accuracy/rows"] = sum(r.raw.get(acc_name) is not None for r in rows)
     out["format_rate"] = float(np.mean([r.raw.get("format") == 1.0 for r in rows])) if rows else None  # (a
     # format reward with partial credit scores between 0 and 1: the rate counts the completions that have it)
     out["completion_len/mean"] = float(np.mean([r.tokens for r in rows]))
@@ -129,32 +132,79 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
         ran = sum(r.ran_calls for r in rows)
         out["tool_call_ok_frac"] = (ran - sum(r.failed_calls for r in rows)) / ran if ran else None
     if k:
-        out.update(sampled(np.array([r.hits for r in rows])))
-        out["sampled_temperature"] = cfg.rollout.temperature
+        out.update(sampled([r.hits for r in rows]))
     out.update(intervals(out, len(rows)))
     out["seconds"] = round(time.perf_counter() - t0, 2)
     return out
 
 
-def sampled(hits: np.ndarray) -> dict[str, float]:
-    """pass@1 (the mean accuracy of the samples) and pass@k (the share of prompts with a correct one) of `hits`,
-    each prompt's k samples' accuracy scores [prompts, k].
+def _check_fits(tokenizer, prompts: list[str], examples: list[Example], context: int | None, max_new: int,
+                key: str) -> None:
+    """Every held-out prompt, with the completion length, fits the model's context (as training's prompts must):
+    one line naming the set and row before anything is generated, never a prompt scored past the model's positions."""
+    if context is None or not prompts:
+        return
+    lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    over = [(n, e) for n, e in zip(lengths, examples) if n + max_new > context]
+    if over:
+        n, e = over[0]
+        raise DataError(f"{key}: row {e.prompt_id} has a prompt of {n} tokens, and the model's context of {context} "
+                        f"leaves {context - n} for its completion of up to {max_new} (eval.max_new_tokens): "
+                        f"{len(over)} of the {len(examples)} rows do not fit; lower eval.max_new_tokens or filter the set")
 
-    >>> sampled(np.array([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]]))
-    {'pass@1': 0.5, 'pass@4': 0.6666666666666666}
+
+def sampled(hits: list[list[float | None]]) -> dict[str, float | int | None]:
+    """pass@1 (the mean accuracy of the samples) and pass@k (the share of prompts with a correct one) of `hits`,
+    each prompt's k samples' accuracy scores, with the rule greedy accuracy has: a sample without a value (None) is
+    left out, and so is a prompt none of whose samples has one; each figure's n is `<figure>/rows` (prompts).
+
+    >>> sampled([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    {'pass@1': 0.5, 'pass@1/rows': 3, 'pass@4': 0.666667, 'pass@4/rows': 3}
+    >>> sampled([[1, None], [None, None], [0, 0]])
+    {'pass@1': 0.333333, 'pass@1/rows': 2, 'pass@2': 0.5, 'pass@2/rows': 2}
     """
-    k = hits.shape[1]
-    return {"pass@1": float(hits.mean()), f"pass@{k}": float((hits.max(axis=1) > 0).mean())}
+    k = max(len(h) for h in hits) if hits else 0
+    scored = [[x for x in h if x is not None] for h in hits]
+    samples = [x for h in scored for x in h]
+    prompts = [h for h in scored if h]
+    return {"pass@1": round(float(np.mean(samples)), 6) if samples else None, "pass@1/rows": len(prompts),
+            f"pass@{k}": round(float(np.mean([max(h) > 0 for h in prompts])), 6) if prompts else None,
+            f"pass@{k}/rows": len(prompts)}
+
+
+def settings(cfg: Config, examples: list[Example], k: int | None = None) -> dict:
+    """What makes two evaluations of a set comparable (`incomparable`): its rows (a digest), completion length,
+    pass@k and, with pass@k, the sampling; known before anything is evaluated. `k`: pass@k as evaluated (None: as
+    the recipe asks, when its accuracy reward is there)."""
+    e, r = cfg.eval, cfg.rollout
+    if k is None:
+        k = e.pass_k if e.pass_k and cfg.rewards.accuracy_component in [c.name for c in cfg.rewards.components] else 0
+    out = {"set": rows_digest(examples), "max_new_tokens": e.max_new_tokens or r.max_new_tokens, "pass_k": k}
+    if k:
+        out.update({"sampled_temperature": r.temperature, "sampled_top_p": r.top_p, "sampled_top_k": r.top_k})
+    return out
+
+
+def rows_digest(examples: list[Example]) -> str:
+    """What identifies a held-out set's rows (their questions and answers, in order): a sha256's first 16 digits."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(f"{e.question}\x00{e.answer}\x01".encode())
+    return h.hexdigest()[:16]
 
 
 def intervals(out: dict, n: int) -> dict[str, list[float]]:
-    """The 95% interval (`wilson`, over the `n` prompts) of each accuracy-like number in `out`, as `<name>/ci95`.
+    """The 95% interval (`wilson`, over the figure's own n: `<name>/rows` where given, else the `n` prompts) of each
+    accuracy-like number in `out`, as `<name>/ci95`.
 
-    >>> intervals({"accuracy": 0.5, "pass@4": 2 / 3, "rows": 3}, 3)
-    {'accuracy/ci95': [0.125334, 0.874666], 'pass@4/ci95': [0.20766, 0.938508]}
+    >>> intervals({"accuracy": 0.5, "pass@4": 2 / 3, "pass@4/rows": 3, "rows": 4}, 4)
+    {'accuracy/ci95': [0.150039, 0.849961], 'pass@4/ci95': [0.20766, 0.938508]}
     """
-    return {f"{key}/ci95": list(wilson(v, n)) for key, v in out.items()
-            if (key == "accuracy" or key.startswith("pass@")) and isinstance(v, (int, float)) and n}
+    return {f"{key}/ci95": list(wilson(v, out.get(f"{key}/rows", n))) for key, v in out.items()
+            if (key == "accuracy" or key.startswith("pass@")) and not key.endswith("/rows")
+            and isinstance(v, (int, float)) and out.get(f"{key}/rows", n)}
 
 
 # Wilson's and Newcombe's intervals are a few lines each; scipy and statsmodels have them, but neither is a
@@ -196,6 +246,23 @@ def difference(p1: float, n1: int, p2: float, n2: int, z: float = Z95) -> tuple[
     return (round(d, 6), round(float(lo), 6), round(float(hi), 6))
 
 
+COMPARED = ("set", "max_new_tokens", "pass_k", "sampled_temperature", "sampled_top_p", "sampled_top_k")
+
+
+def incomparable(new: dict, old: dict) -> list[str]:
+    """Why two evaluations' numbers cannot be compared, one phrase a difference (empty: they can): another set of
+    rows (their digest), completion length, pass@k, or sampling, for the main set and each eval.also set both hold.
+    An evaluation older than a setting says nothing of it (not counted as a difference)."""
+    out = []
+    names = {k.rsplit("/", 1)[0] for k in new if k.endswith("/set")} & {k.rsplit("/", 1)[0] for k in old}
+    for prefix in ("", *(f"{n}/" for n in sorted(names))):
+        for key in COMPARED:
+            a, b = new.get(prefix + key), old.get(prefix + key)
+            if a is not None and b is not None and a != b:
+                out.append(f"{prefix}{key} {a!r} here, {b!r} there")
+    return out
+
+
 def compare(new: dict, old: dict) -> dict:
     """Every accuracy-like number (accuracy, pass@1, pass@k, of each set) the two evaluations share, as the
     difference new - old with its 95% interval (`difference`) and whether the interval excludes 0."""
@@ -204,27 +271,31 @@ def compare(new: dict, old: dict) -> dict:
         name, _, metric = key.rpartition("/")
         if not (metric == "accuracy" or metric.startswith("pass@")) or key.endswith("/ci95"):
             continue
+        if key.endswith("/rows"):
+            continue
         rows_key = f"{name}/rows" if name else "rows"
         if not isinstance(value, (int, float)) or not isinstance(old.get(key), (int, float)):
             continue
-        if not new.get(rows_key) or not old.get(rows_key):
+        n_new, n_old = new.get(f"{key}/rows", new.get(rows_key)), old.get(f"{key}/rows", old.get(rows_key))
+        if not n_new or not n_old:
             continue
-        d, lo, hi = difference(value, new[rows_key], old[key], old[rows_key])
+        d, lo, hi = difference(value, n_new, old[key], n_old)
         out[key] = {"new": value, "old": old[key], "difference": d, "ci95": [lo, hi],
                     "beyond_noise": bool(lo > 0 or hi < 0)}
     return out
 
 
 def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examples: list[Example], max_new: int,
-                   k: int, first: int, lockstep=None) -> list[EvalRow]:
+                   k: int, first: int, lockstep=None, key: str = "data.test") -> list[EvalRow]:
     """Greedy completions (and k samples each for pass@k) of `examples`, the rows `first`, first + 1, ...
     of the held-out set, scored."""
     e, r, acc_name = cfg.eval, cfg.rollout, cfg.rewards.accuracy_component
     multiturn = multiturn_from_config(cfg, tokenizer, max_new, group_size=1, stop_ids=eos_ids(model, tokenizer),
                                       context_len=getattr(model.config, "max_position_embeddings", None))
     prompts = [multiturn.prompt_text(x) if multiturn else
-               render_prompt(tokenizer, x.question, cfg.data.system_prompt, x.messages, cfg.data.few_shot_turns)
+               prompt_text(tokenizer, cfg.data, x)
                for x in examples]
+    _check_fits(tokenizer, prompts, examples, getattr(model.config, "max_position_embeddings", None), max_new, key)
 
     # the rollout's sampling (its loop, switches, merged adapter), greedy, eval's batch size and length
     greedy_decoding = Decoding.of(r, model, lockstep=lockstep is not None, do_sample=False, batch_size=e.batch_size,
@@ -261,7 +332,7 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
                 sgen = sampled(prompts, seeds)
         stexts = completion_texts(tokenizer, sgen.completion_ids, eos_ids(model, tokenizer))
         sres = score(reward, [x for x in examples for _ in range(k)], stexts, sgen)
-        flat = [rec.components[acc_name].raw or 0.0 for rec in sres.records]
+        flat = [rec.components[acc_name].raw for rec in sres.records]  # (None: no value, left out as greedy's)
         hits = [flat[i * k:(i + 1) * k] for i in range(len(examples))]
     calls = [[c for t in turns for c in t.calls] for turns in gen.turns] if gen.turns else [[]] * len(examples)
     reset_failed = set(gen.dropped_groups) | (set(sgen.dropped_groups) if k else set())  # (one row a group)

@@ -224,22 +224,32 @@ def in_compute_context(fn):
 
 def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str = "auto",
                              trust_remote_code: bool = False, revision: str | None = None,
-                             stop_tokens: list[str] | tuple[str, ...] = ()):
-    """(model on the device in the chosen dtype, tokenizer with a pad token), the `stop_tokens` among the
-    model's EOS ids (add_stop_tokens); a load failure is one line naming the key."""
+                             stop_tokens: list[str] | tuple[str, ...] = (), chat_template: str | None = None,
+                             template_kwargs: dict | None = None):
+    """(model on the device in the chosen dtype, tokenizer with a pad token and the chat template the recipe
+    gives: `set_chat_template`), the `stop_tokens` among the model's EOS ids (add_stop_tokens); a load failure is
+    one line naming the key."""
     dev = pick_device(device)
     with _quiet_local_load(Path(name_or_path).expanduser().exists()):
         if is_gguf(name_or_path):  # a llama.cpp file: dequantized into a plain model (gguf.py)
             model, tok = load_gguf(Path(name_or_path).expanduser(), pick_dtype(dtype, dev))
         else:
             model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code)
-    return prepare_model(model, tok, dtype, str(dev), stop_tokens)
+    return prepare_model(model, tok, dtype, str(dev), stop_tokens, chat_template, template_kwargs)
 
 
-def prepare_model(model, tok, dtype: str = "auto", device: str = "auto", stop_tokens: list[str] | tuple[str, ...] = ()):
+def load_configured(m, dtype: str | None = None, device: str | None = None):
+    """`load_model_and_tokenizer` with every setting of the recipe's model section `m` (config.ModelConfig), in
+    `dtype` and on `device` when given (else m.dtype, m.device): the one call the engine loads a model with."""
+    return load_model_and_tokenizer(m.name_or_path, dtype or m.dtype, device or m.device, m.trust_remote_code,
+                                    m.revision, m.stop_tokens, m.chat_template, m.chat_template_kwargs)
+
+
+def prepare_model(model, tok, dtype: str = "auto", device: str = "auto", stop_tokens: list[str] | tuple[str, ...] = (),
+                  chat_template: str | None = None, template_kwargs: dict | None = None):
     """A loaded model and tokenizer made ready as `load_model_and_tokenizer` makes them (a pad token, the
-    stop tokens, the dtype and its mixed-precision wrapping, the device): also what the Python API does to
-    a model a user loaded."""
+    chat template, the stop tokens, the dtype and its mixed-precision wrapping, the device): also what the Python
+    API does to a model a user loaded."""
     dev = pick_device(device)
     resolved = resolve_dtype(dtype, dev) if dtype != "base" else None
     if dev.type == "cpu" and resolved in (MIXED, AUTOCAST, "bfloat16") and not native_bf16_cpu():
@@ -250,12 +260,50 @@ def prepare_model(model, tok, dtype: str = "auto", device: str = "auto", stop_to
             param.data = param.data.to(want)  # float32, as from_pretrained leaves them)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    set_chat_template(tok, chat_template, template_kwargs or {})
     add_stop_tokens(model, tok, stop_tokens)
     if resolved == MIXED:
         enable_mixed(model)
     elif resolved == AUTOCAST:
         enable_autocast(model)
     return model.to(dev), tok
+
+
+def _jinja(value) -> str:
+    """A JSON-like value as a Jinja literal (JSON's null is Jinja's none).
+
+    >>> _jinja({"a": [True, None, 1.5, "x"]})
+    '{"a": [true, none, 1.5, "x"]}'
+    """
+    import json
+
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))}: {_jinja(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_jinja(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def set_chat_template(tok, path: str | None, kwargs: dict) -> None:
+    """The recipe's chat template on the tokenizer: `model.chat_template` (a .jinja file) in place of its own, and
+    `model.chat_template_kwargs` set at the template's top (`{%- set enable_thinking = false -%}`), so every
+    rendering (rollout, evaluation, SFT, chat) and every saved tokenizer (checkpoints, export) has them: one
+    place, where a keyword at each apply_chat_template call would be one more thing each caller could forget."""
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ModelError(f"model.chat_template {path}: no such file (a Jinja chat template, .jinja)")
+        tok.chat_template = p.read_text(encoding="utf-8")
+    if kwargs:
+        if not getattr(tok, "chat_template", None):
+            raise ModelError(f"model.chat_template_kwargs {sorted(kwargs)}: the tokenizer has no chat template to give "
+                             "them to")
+        head = "".join(f"{{%- set {k} = {_jinja(v)} -%}}" for k, v in kwargs.items())
+        tok.chat_template = head + tok.chat_template
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -384,7 +432,11 @@ def lora_config(cfg: LoraConfig):
     from peft import LoraConfig as PeftLoraConfig
 
     return PeftLoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                          target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+                          target_modules=cfg.target_modules, exclude_modules=cfg.exclude_modules,
+                          layers_to_transform=cfg.layers_to_transform, layers_pattern=cfg.layers_pattern,
+                          use_rslora=cfg.use_rslora, rank_pattern=dict(cfg.rank_pattern),
+                          alpha_pattern=dict(cfg.alpha_pattern), init_lora_weights=cfg.init_lora_weights,
+                          task_type="CAUSAL_LM")
 
 
 def build_lora(model, cfg: LoraConfig):
@@ -392,7 +444,7 @@ def build_lora(model, cfg: LoraConfig):
     from peft import get_peft_model
 
     head = model.get_output_embeddings()
-    if isinstance(head, Float32Head) and cfg.target_modules != "all-linear" and any(
+    if isinstance(head, Float32Head) and cfg.target_modules not in ("all-linear", None) and any(
             name == t or name.endswith(f".{t}") for name, m in model.named_modules() if m is head
             for t in cfg.target_modules):
         raise ModelError("lora.target_modules names the output head, which model.dtype bf16-mixed computes in "

@@ -50,6 +50,26 @@ def run_files(out_dir: Path) -> list[Path]:
     return found + sorted(p for p in out_dir.glob("checkpoint-*") if p.is_dir())
 
 
+def undo_start(out_dir: Path):
+    """What a start is about to create in `out_dir`, made undoable: returns `undo()`, which removes every entry of
+    the folder that was not there now (the folder itself when it is new). A refused start calls it, so that the
+    refusal leaves nothing behind (a history copied from another run, a lock, files that would block the fixed
+    command): the class of "refused, and the folder changed" fixed once, where runs start."""
+    out_dir = Path(out_dir)
+    existed = out_dir.is_dir()
+    before = {p.name for p in out_dir.iterdir()} if existed else set()
+
+    def undo() -> None:
+        if not existed:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            return
+        for p in out_dir.iterdir() if out_dir.is_dir() else []:
+            if p.name not in before:
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+    return undo
+
+
 def claim_output_dir(out_dir: Path, overwrite: bool, resuming: Path | None = None) -> None:
     """Make `out_dir` ready for a fresh run (or for a run resumed from another folder's checkpoint,
     `resuming`): the outputs files append, so an earlier run's records would mix with this run's. Raises

@@ -25,6 +25,7 @@ import torch
 from rewards import CompositeReward
 
 from .checkpoint import (
+    check_stage,
     TrainerState,
     load_start_adapter,
     resolve_adapter,
@@ -37,8 +38,9 @@ from .checkpoint import (
     resolve_resume,
     verify_checkpoint,
 )
-from .config import Config, OptimConfig
-from .data import Curriculum, DataError, Example, fingerprint, levels_of, load_split, make_sampler, render_prompt
+from .config import Config, OptimConfig, steps_of
+from .data import (Curriculum, DataError, Example, check_held_out_rows, fingerprint, levels_of, load_split, make_sampler,
+                   prompt_text)
 from .distributed import (
     Dist,
     Sharding,
@@ -60,10 +62,10 @@ from .modeling import (
     build_lora,
     disable_dropout,
     eos_ids,
-    load_model_and_tokenizer,
+    load_configured,
     prepare_model,
 )
-from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir
+from .outputs import JsonlWriter, RunLock, adopt_history, check_writable, claim_output_dir, undo_start
 from .sampling.decoding import rollout_engine
 from .sampling.engines import Engine, EngineContext, LocalEngine, get_engine_class
 from .sampling.lag import Ahead, LaggedPolicies, Lookahead
@@ -163,11 +165,13 @@ class Run:
 
 
 def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | None = None,
-              quiet: bool = False, model=None) -> Run:
-    """Set up a run (see the module docstring); on any failure nothing stays held (the folder's lock). The
-    run's `cfg` is `cfg` with its `auto` switches decided for the device (what the loop and checkpoints read);
-    `quiet` leaves the settings a resume applied unsaid (a replay's own); `model`: (model, tokenizer) already
-    loaded (the Python API's), in place of loading model.name_or_path."""
+              quiet: bool = False, model=None, held_out: dict[str, list[Example]] | None = None) -> Run:
+    """Set up a run (see the module docstring); on any failure nothing stays held (the folder's lock) and the
+    folder is left as it was found (`undo_start`). The run's `cfg` is `cfg` with its `auto` switches decided for
+    the device (what the loop and checkpoints read); `quiet` leaves the settings a resume applied unsaid (a
+    replay's own); `model`: (model, tokenizer) already loaded (the Python API's), in place of loading
+    model.name_or_path; `held_out`: the sets the run evaluates, by key, each refused if it asks a training row's
+    question (data.check_held_out_rows)."""
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
     place = launch(cfg)
@@ -176,17 +180,20 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": place.dtype})})
     if resume_dir is not None and cfg.sft is not None:
         cfg = _recorded_sft_folder(cfg, resume_dir)
+    if resume_dir is not None:
+        check_stage(resume_dir, "train")
     applied = check_resumable(resume_dir, cfg.to_dict()) if resume_dir else []
-    lock = None
+    lock, undo = None, undo_start(out_dir) if place.dist.is_main else (lambda: None)
     try:
         lock = agree_on_main(place.dist, lock_output_dir, out_dir, cfg.run.overwrite, resume_dir, place.dist.is_main)
         if applied and place.dist.is_main and not quiet:
             print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
                   file=sys.stderr, flush=True)
-        return _build(cfg, out_dir, place, resume_dir, examples, lock, model)
+        return _build(cfg, out_dir, place, resume_dir, examples, lock, model, held_out or {})
     except BaseException:
         if lock is not None:
             lock.release()
+        undo()  # (a refused start leaves the folder as it found it)
         raise
 
 
@@ -281,7 +288,7 @@ def _check_newest(out_dir: Path, resume_dir: Path, key: str = "run.output_dir") 
 
 
 def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example] | None,
-           lock: RunLock | None, loaded=None) -> Run:
+           lock: RunLock | None, loaded=None, held_out: dict[str, list[Example]] | None = None) -> Run:
     """Everything after the launch and the folder claim (see the module docstring)."""
     from transformers import set_seed
 
@@ -298,16 +305,18 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     if cfg.rollout.prompts_per_step % dist.world:
         raise TrainingError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide by the "
                             f"number of processes ({dist.world}): each process samples whole groups")
+    source = cfg.data.train if examples is None else "train_dataset"  # (what errors name: the rows given in memory)
     examples = examples if examples is not None else load_split(cfg.data, "train")
     if len(examples) < cfg.rollout.prompts_per_step:  # (an epoch's permutation must fill a step)
-        raise DataError(f"{cfg.data.train}: {len(examples)} training row{'s' * (len(examples) != 1)}, fewer than "
+        raise DataError(f"{source}: {len(examples)} training row{'s' * (len(examples) != 1)}, fewer than "
                         f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}): a step would sample a prompt "
                         "twice; lower rollout.prompts_per_step or add rows")
+    check_held_out_rows(examples, held_out or {})
     rows = fingerprint(examples)
     c = cfg.data.curriculum
     levels = levels_of(examples, c, cfg.data.answer_column) if c is not None else None  # (before the model loads)
     if resume_dir:  # (before the model loads)
-        _check_same_rows(cfg.data.train, resume_dir, rows)
+        _check_same_rows(source, resume_dir, rows)
     start, reference = start_adapters(cfg, resume_dir)
     model, tokenizer, algo, params = _model(cfg, place, start, reference, loaded)
     if start is not None and dist.is_main:  # (once it loaded: an adapter that does not fit is one line alone)
@@ -328,9 +337,10 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     except ToolError as e:
         raise TrainingError(str(e)) from None
     prompt_texts = [multiturn.prompt_text(e) if multiturn else
-                    render_prompt(tokenizer, e.question, cfg.data.system_prompt, e.messages, cfg.data.few_shot_turns)
+                    prompt_text(tokenizer, cfg.data, e)
                     for e in examples]
-    _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None))
+    _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None),
+                   source)
     reward = build_reward(cfg.rewards)
     ctx = EngineContext(cfg, tokenizer, model, dist, out_dir, place.lockstep, place.sharding is not None)
     kind = get_engine_class(rollout_engine(cfg.rollout))
@@ -422,7 +432,8 @@ def _check_same_rows(train: str, resume_dir: Path, rows: dict) -> None:
     if saved and saved != rows:  # (checkpoints written before the fingerprint have none)
         what = (f"{saved['rows']} rows then, {rows['rows']} now" if saved.get("rows") != rows["rows"]
                 else f"the same {rows['rows']} rows, other content")
-        raise CheckpointError(f"data.train {train} changed since {resume_dir.name} was written ({what}): "
+        which = "train_dataset's rows" if train == "train_dataset" else f"data.train {train}"
+        raise CheckpointError(f"{which} changed since {resume_dir.name} was written ({what}): "
                               "resuming exactly needs the rows it trained on; restore them, or start a new run")
 
 
@@ -466,11 +477,10 @@ def policy_model(cfg: Config, place: Placement, start: Path | None = None, refer
     (REFERENCE_ADAPTER) holding that folder's adapter, the KL reference of a run that started from one.
     `loaded`: (model, tokenizer) a caller loaded, made ready as a loaded one is (modeling.prepare_model)."""
     if loaded is not None:
-        model, tokenizer = prepare_model(*loaded, place.dtype, str(place.dist.device), cfg.model.stop_tokens)
+        model, tokenizer = prepare_model(*loaded, place.dtype, str(place.dist.device), cfg.model.stop_tokens,
+                                         cfg.model.chat_template, cfg.model.chat_template_kwargs)
     else:
-        model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, place.dtype, str(place.dist.device),
-                                                    cfg.model.trust_remote_code, cfg.model.revision,
-                                                    cfg.model.stop_tokens)
+        model, tokenizer = load_configured(cfg.model, place.dtype, str(place.dist.device))
     if cfg.model.disable_dropout:
         disable_dropout(model)
     model = build_lora(model, cfg.lora)
@@ -547,14 +557,17 @@ def build_optimizer(params, o: OptimConfig, total_updates: int, head: list | Non
         opt = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     else:
         opt = torch.optim.RMSprop(params, lr=o.lr, alpha=o.alpha, eps=o.eps, weight_decay=o.weight_decay)
-    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[o.schedule]
-    sched = get_scheduler(name, opt, num_warmup_steps=o.warmup_steps, num_training_steps=total_updates)
+    name = "constant_with_warmup" if o.schedule == "constant" else o.schedule  # (ours warms up over warmup_steps)
+    sched = get_scheduler(name, opt, num_warmup_steps=steps_of(o.warmup_steps, total_updates),
+                          num_training_steps=total_updates, scheduler_specific_kwargs=dict(o.schedule_kwargs))
     return opt, sched
 
 
 def _check_lengths(cfg: Config, tokenizer, examples: list[Example], prompt_texts: list[str],
-                   context_len: int | None) -> None:
-    """Every prompt fits data.max_prompt_tokens and, with rollout.max_new_tokens, the model's context."""
+                   context_len: int | None, source: str | None = None) -> None:
+    """Every prompt fits data.max_prompt_tokens and, with rollout.max_new_tokens, the model's context; errors name
+    `source` (the training rows' file, or train_dataset)."""
+    source = source or cfg.data.train
     limit = cfg.data.max_prompt_tokens
     budget = None if context_len is None else context_len - cfg.rollout.max_new_tokens
     if budget is not None and budget < 1:
@@ -564,12 +577,12 @@ def _check_lengths(cfg: Config, tokenizer, examples: list[Example], prompt_texts
     for i, n in enumerate(lengths):
         if budget is not None and limit >= n > budget:  # (the context binds: data.max_prompt_tokens would not help)
             raise TrainingError(
-                f"{cfg.data.train}: row {examples[i].prompt_id} has a prompt of {n} tokens, and the model's context "
+                f"{source}: row {examples[i].prompt_id} has a prompt of {n} tokens, and the model's context "
                 f"of {context_len} leaves {budget} after rollout.max_new_tokens ({cfg.rollout.max_new_tokens}): lower "
                 "rollout.max_new_tokens, shorten the prompt (data.system_prompt, data.few_shot) or filter the data")
         if n > limit:
             raise TrainingError(
-                f"{cfg.data.train}: row {examples[i].prompt_id} has a prompt of {n} tokens, over data.max_prompt_tokens "
+                f"{source}: row {examples[i].prompt_id} has a prompt of {n} tokens, over data.max_prompt_tokens "
                 f"({limit}); raise data.max_prompt_tokens"
                 + (f" (the model's context leaves {budget} after rollout.max_new_tokens)" if budget is not None else "")
                 + ", shorten the prompt or filter the data")

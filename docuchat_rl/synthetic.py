@@ -279,13 +279,24 @@ def make_problem(rng: random.Random, ops: tuple[int, int] = (2, 4), wording: str
                    forms=(*forms, order))
 
 
+MAX_OPS = 16  # the longest chain make_problem is asked for (the tasks here use at most 8)
+
+
 def make_split(seed: int, n: int, exclude: set[str] | None = None, ops: tuple[int, int] = (2, 4),
                wording: str = "plain") -> list[Problem]:
-    """`n` distinct problems from `seed` (see make_problem), none of whose questions is in `exclude`."""
+    """`n` distinct problems from `seed` (see make_problem), none of whose questions is in `exclude`; a ValueError
+    when the draws run out of new questions (the wording and operations cannot make `n` distinct ones)."""
+    if not 1 <= ops[0] <= ops[1] <= MAX_OPS:
+        raise ValueError(f"operations {ops[0]}-{ops[1]}: between 1 and {MAX_OPS}, the first not above the second")
     rng = random.Random(seed)
     seen = set(exclude or ())
     out: list[Problem] = []
+    tries = 0
     while len(out) < n:
+        tries += 1
+        if tries > 50 * n + 10_000:  # (a bound, not a hang: each draw is new with high probability until then)
+            raise ValueError(f"{len(out)} distinct problems after {tries - 1} draws, not {n}: this wording and these "
+                             "operations make fewer new questions; ask for fewer rows")
         p = make_problem(rng, ops, wording)
         key = normalized(p.question)
         if key in seen or p.question in seen:

@@ -287,6 +287,11 @@ def signal_warnings(m: dict[str, Any]) -> list[str]:
     if m.get("zero_std_frac") == 1.0:
         lines.append(f"step {m['step']}: the rewards agreed within every group (zero_std_frac 1.0): the step "
                      "had no advantage signal")
+    if m.get("dynamic_sampling/unfilled"):
+        band = " inside data.difficulty's band" if "difficulty/band_share" in m else ""
+        lines.append(f"step {m['step']}: dynamic sampling found no group with varied rewards{band} in every round "
+                     "(rollout.max_resample_rounds): the step trains on its last round's groups, whose advantages are "
+                     "0 (widen data.difficulty's band, or raise rollout.max_resample_rounds)")
     if m.get("truncated_frac", 0.0) >= TRUNCATED_WARNING:
         lines.append(f"step {m['step']}: {m['truncated_frac']:.0%} of the completions were cut at "
                      "rollout.max_new_tokens (their rewards judge unfinished text)")

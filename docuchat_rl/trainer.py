@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from .checkpoint import TrainerState, latest_step, save_checkpoint, write_training_state
-from .config import Config
+from .config import Config, saves_at
 from .data import Example, load_split, make_sampler
 from .distributed import gathered
 from .errors import Preempted, TrainingError
@@ -79,7 +79,13 @@ class Trainer:
     def __init__(self, cfg: Config, resume: str | None = None, examples: list[Example] | None = None,
                  on_phase: Callable[[str], None] | None = None, quiet: bool = False, model=None,
                  held_out: list[Example] | None = None):
-        self.run = start_run(cfg, resume, examples, quiet, model)
+        also = also_sets(cfg) if cfg.eval.also else {}  # (loaded now: a bad path fails before step 1)
+        sets = {f"eval.also.{name}": rows for name, rows in also.items()}
+        if held_out is not None:
+            sets["eval_dataset"] = held_out
+        elif cfg.data.test and (cfg.eval.before_and_after or cfg.eval.every):
+            held_out = sets["data.test"] = load_split(cfg.data, "test", cfg.eval.limit)
+        self.run = start_run(cfg, resume, examples, quiet, model, sets)  # (each set new to the training rows)
         self.cfg = self.run.cfg  # (its `auto` switches decided for the run's device)
         self.learner, self.collector = self.run.learner, self.run.collector
         self.dist, self.is_main = self.run.place.dist, self.run.place.dist.is_main
@@ -93,7 +99,7 @@ class Trainer:
         self.on_step: Callable[[dict], bool] | None = None  # after each step: True stops the run there (the API)
         self.on_checkpoint: Callable[[int], None] | None = None  # after each checkpoint is written (the API)
         self._held_out: list[Example] | None = held_out  # (None: data.test's first eval.limit rows, when asked)
-        self._also = also_sets(self.cfg) if self.cfg.eval.also else {}  # (loaded now: a bad path fails before step 1)
+        self._also = also
         self.last_eval: dict | None = None  # the latest periodic evaluation (eval.every)
         self.step_log = StepLog(self.run, self.rewards, lambda: self.progress)
 
@@ -197,7 +203,8 @@ class Trainer:
                     self.progress.step(step, history[-1])
                     if self.preemption.requested():  # safe point: the step is finished
                         self._stop()
-                    if (stop_after is not None and step >= stop_after) or self._asked_to_stop(history[-1]):
+                    asked = self._asked_to_stop(history[-1])  # (first: every step fires its events, the last too)
+                    if asked or (stop_after is not None and step >= stop_after):
                         break
         finally:
             self.progress.close()
@@ -218,7 +225,8 @@ class Trainer:
         self.on_phase("update")
         extra.update(self.update(batch, timer, rollout.global_groups))
         extra.update(self.policy.updated(step))  # (a fixed lag keeps the new version; its worker gets it)
-        if self.cfg.eval.every and (self.cfg.data.test or self._held_out) and step % self.cfg.eval.every == 0:
+        if self.cfg.eval.every and (self.cfg.data.test or self._held_out) and \
+                saves_at(step, self.cfg.eval.every, self.cfg.run.steps):
             self.on_phase("eval")
             result = self.evaluate()  # (on every process: each evaluates a share of the rows)
             minutes = round(self.seconds() / 60, 3)
@@ -230,7 +238,7 @@ class Trainer:
         self.on_phase("log")
         m = self.log(step, rollout, batch, extra, timer)
         self.step = step
-        if step % self.cfg.checkpoint.every == 0 or last:
+        if saves_at(step, self.cfg.checkpoint.every, self.cfg.run.steps) or last:
             self.on_phase("checkpoint")
             self.checkpoint(step)
         self.on_phase("idle")

@@ -4,8 +4,11 @@
 
 What differs from TRL's page, and why: the import (the one change); the model and data set are the embedded
 default's (no hub here: TRL's page loads Qwen/Qwen2-0.5B-Instruct and trl-lib/tldr; the rows below are in the same
-shape, a "prompt" column); and `max_steps` from the command line, so that CI runs a few steps (TRL's page trains
-three epochs). Everything else is TRL's code as written.
+shape, a "prompt" column); `max_steps` from the command line, so that CI runs a few steps (TRL's page trains three
+epochs); and `max_completion_length=64`, since TRL's default of 512 new tokens would fill all 512 positions of the
+embedded model (Qwen2's are 32,768). Everything else is TRL's code as written, and runs as TRL runs it: its
+defaults included (learning_rate 1e-6, a linear schedule, 8 completions of one prompt a step, the prompt as the
+data set gives it: docs/from_trl.md).
 """
 
 import argparse
@@ -30,7 +33,8 @@ def reward_len(completions, **kwargs):
     return [-abs(20 - len(completion)) for completion in completions]
 
 
-training_args = GRPOConfig(output_dir=cli.output_dir, logging_steps=10, max_steps=cli.max_steps, use_cpu=True)
+training_args = GRPOConfig(output_dir=cli.output_dir, logging_steps=10, max_steps=cli.max_steps, use_cpu=True,
+                           max_completion_length=64)
 trainer = GRPOTrainer(
     model="data/model",  # (TRL's page: "Qwen/Qwen2-0.5B-Instruct")
     reward_funcs=reward_len,

@@ -37,5 +37,6 @@ trainer.train()
 
 # then RL from the SFT adapter: one argument more (it says which checkpoint it starts from)
 rl = RLTrainer(model="data/model", reward_funcs=["correctness"], start_from=trainer,
-               args=GRPOConfig(output_dir=cli.output_dir + "-grpo", max_steps=2, use_cpu=True))
+               args=GRPOConfig(output_dir=cli.output_dir + "-grpo", max_steps=2, use_cpu=True,
+                               max_completion_length=64))  # (TRL's 512 would fill the embedded model's positions)
 print(rl.train()["after"]["accuracy"])

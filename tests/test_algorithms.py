@@ -55,6 +55,36 @@ def test_one_registry_holds_each_name_its_config_and_its_class():
         register_algorithm(Unregistered)(type("Reinforce", (Algorithm,), {}))
 
 
+def test_a_config_derived_from_another_runs_only_with_a_class_of_its_own():
+    """RLOOConfig(GRPOConfig) registered without its class: never GRPO's (the implementation is each config's own),
+    so get_algorithm_class says what is missing and the import-time check refuses it; with its decorated class it
+    runs that class. (The registry is left as it was.)"""
+    from typing import Literal
+
+    from docuchat_rl.algorithm_configs import ALGORITHMS, GRPOConfig, register_config
+    from docuchat_rl.learning.algorithms import GRPO, check_implemented, register_algorithm
+
+    @register_config
+    class RLOOConfig(GRPOConfig):
+        name: Literal["rloo_sketch"] = "rloo_sketch"
+
+    try:
+        assert RLOOConfig.implementation is None and GRPOConfig.implementation is GRPO
+        with pytest.raises(KeyError, match="algorithm 'rloo_sketch' has a config \\(RLOOConfig\\) but no class"):
+            get_algorithm_class("rloo_sketch")
+        with pytest.raises(ImportError, match="without a class that runs it: rloo_sketch \\(RLOOConfig\\)"):
+            check_implemented()
+
+        @register_algorithm(RLOOConfig)
+        class RLOO(GRPO):
+            pass
+
+        assert get_algorithm_class("rloo_sketch") is RLOO and get_algorithm_class("grpo") is GRPO
+        check_implemented()
+    finally:
+        del ALGORITHMS["rloo_sketch"]
+
+
 def test_grpo_advantages_use_the_batch_groups_and_skip_rows_without_reward():
     cfg = load_config(None, ["rollout.num_generations=3", "rollout.prompts_per_step=2"])
     batch = _batch([1.0, 0.0, 0.0, 0.0, 1.0, 1.0], [0, 0, 0, 1, 1, 1], [[0.0, 0.0]] * 6,

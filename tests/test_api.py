@@ -143,7 +143,7 @@ def test_in_memory_data_is_checked_as_files_are_and_sft_evaluates_its_eval_datas
         dr.RLTrainer("default", train_dataset=[], overrides={**FAST, "run.output_dir": str(tmp_path / "y")})
     train = rows(12)
     leak = [{**train[3], "question": "  " + train[3]["question"].upper().replace(" ", "  ")}]
-    with pytest.raises(ConfigError, match="eval_dataset: 1 of its rows ask a question train_dataset holds"):
+    with pytest.raises(ConfigError, match="eval_dataset: 1 of its 1 rows ask a question of the train_dataset rows"):
         dr.RLTrainer("default", train_dataset=train, eval_dataset=leak,
                      overrides={**FAST, "run.output_dir": str(tmp_path / "z")})
     with dr.RLTrainer("default", train_dataset=train, eval_dataset=held,
@@ -190,15 +190,31 @@ def test_a_closed_trainer_and_bad_call_arguments_are_one_line_in_the_apis_words(
             call()
 
 
+@pytest.mark.parametrize("kwargs,said", [
+    ({"temperature": 0}, "temperature: must be above 0, not 0 (for greedy decoding leave temperature out)"),
+    ({"max_new_tokens": 0}, "max_new_tokens: must be at least 1, not 0"),
+    ({"temperature": 1.0, "top_p": 0.0}, "top_p: must be above 0 and at most 1, not 0.0"),
+    ({"temperature": 1.0, "top_k": -3}, "top_k: must be at least 0, not -3"),
+])
+def test_generate_bounds_its_arguments_as_the_cli_does(tmp_path, kwargs, said):
+    """RLTrainer.generate takes what `docuchat-rl generate` takes (config.BOUNDS), refused before the run starts."""
+    t = dr.RLTrainer("default", overrides={**FAST, "run.output_dir": str(tmp_path / "r")})
+    with pytest.raises(ConfigError) as e:
+        t.generate(["Ava has 2 apples."], **kwargs)
+    assert str(e.value) == said and not (tmp_path / "r").exists()
+    t.close()
+
+
 def test_a_grpo_config_runs_as_the_same_recipe_does(tmp_path):
-    """RLTrainer(args=GRPOConfig(...), peft_config=LoraConfig(...)) trains the very run that the recipe with the
-    mapped keys trains: the same traces, line for line."""
+    """RLTrainer(args=GRPOConfig(...), peft_config=LoraConfig(...)) trains the very run that the recipe with TRL's
+    meaning written out as our keys trains (what TRL's fields and defaults mean here: docs/from_trl.md): the same
+    traces, line for line."""
     from peft import LoraConfig
     from trl import GRPOConfig
 
-    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, max_steps=2, learning_rate=1e-3,
+    args = GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, max_steps=2, learning_rate=1e-3,
                       num_generations=4, per_device_train_batch_size=16, max_completion_length=24, beta=0.0,
-                      loss_type="dr_grpo", disable_tqdm=True, seed=3)
+                      loss_type="dr_grpo", disable_tqdm=True, seed=3, gradient_checkpointing=False)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         with dr.RLTrainer(args=args, peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
@@ -210,7 +226,11 @@ def test_a_grpo_config_runs_as_the_same_recipe_does(tmp_path):
             "rollout.prompts_per_step": 4, "optim.minibatch_size": 16, "optim.micro_batch_size": 16,
             "rollout.max_new_tokens": 24, "algorithm.beta": 0.0, "algorithm.loss_aggregation": "dr_grpo",
             "logging.progress": False, "run.seed": 3, "lora.r": 8, "lora.alpha": 16.0,
-            "lora.target_modules": ["q_proj", "v_proj"], "eval.before_and_after": False, "run.threads": 1}
+            "lora.target_modules": ["q_proj", "v_proj"], "eval.before_and_after": False, "run.threads": 1,
+            # (TRL's defaults, as they are here)
+            "optim.schedule": "linear", "model.dtype": "float32", "model.disable_dropout": False,
+            "data.prompt_format": "as_given", "data.system_prompt": None, "algorithm.kl_bias_correction": True,
+            "checkpoint.every": 500, "checkpoint.keep_last": None}
     with dr.RLTrainer("default", overrides=ours) as t:
         t.train()
 
@@ -282,6 +302,54 @@ def test_callbacks_see_each_steps_metrics_and_can_stop_the_run_which_then_resume
             t.train()
 
 
+def test_the_step_a_run_stops_at_fires_its_events_and_a_resume_sees_the_whole_history(tmp_path):
+    """As TRL: train(stop_after=2) fires on_step_end, on_log and on_save for step 2 and on_train_end at step 2;
+    training_loss is the mean loss of the call's optimizer steps; a resume by TRL's train(resume_from_checkpoint=
+    True), with a callback given as a class (TRL makes it), starts with the whole run's log_history."""
+    from transformers import TrainerCallback
+
+    class Watch(TrainerCallback):
+        def __init__(self):
+            self.events, self.history_at_start = [], None
+
+        def on_train_begin(self, args, state, control, **kw):
+            self.events.append("begin")
+            self.history_at_start = [m["step"] for m in state.log_history]
+
+        def on_step_end(self, args, state, control, **kw):
+            self.events.append(f"step{state.global_step}")
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            self.events.append(f"log{logs['step']}")
+
+        def on_save(self, args, state, control, **kw):
+            self.events.append(f"save{state.global_step}")
+
+        def on_train_end(self, args, state, control, **kw):
+            self.events.append(f"end{state.global_step}")
+
+    over = {**FAST, "run.steps": 4, "checkpoint.every": 1, "eval.before_and_after": False,
+            "run.output_dir": str(tmp_path / "r")}
+    first = Watch()
+    with dr.RLTrainer("default", callbacks=[first], overrides=over) as t:
+        out = t.train(stop_after=2)
+    assert first.events == ["begin", "step1", "log1", "save1", "step2", "log2", "save2", "end2"]
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert out.global_step == 2 and out.training_loss == pytest.approx(sum(losses) / 2)
+    with dr.RLTrainer("default", callbacks=[Watch], overrides=over) as t:
+        again = t.train(resume_from_checkpoint=True)
+        second = t._calls.callbacks[0]
+        assert [m["step"] for m in t.state.log_history] == [1, 2, 3, 4]
+    assert second.history_at_start == [1, 2]
+    assert second.events == ["begin", "step3", "log3", "save3", "step4", "log4", "save4", "end4"]
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()][2:]
+    assert again.training_loss == pytest.approx(sum(losses) / 2)  # (this call's steps, as transformers counts)
+    with dr.RLTrainer("default", overrides=over) as t:  # (a finished run: a train() that trains nothing says so)
+        with pytest.warns(UserWarning, match="this run is finished"):
+            assert t.train(resume_from_checkpoint=True).global_step == 4
+    assert len((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()) == 4
+
+
 def test_sft_from_a_dataset_equals_sft_from_the_same_rows_in_a_file_and_hands_off_to_rl(tmp_path):
     """SFTTrainer(train_dataset=Dataset of TRL's messages rows) learns the targets and adapter that sft.source
     jsonl learns from the same rows in a file; RLTrainer(start_from=it) starts from its adapter and says so;
@@ -316,11 +384,11 @@ def test_sft_from_a_dataset_equals_sft_from_the_same_rows_in_a_file_and_hands_of
     import io
 
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    with contextlib.redirect_stderr(err):  # (said when the run starts: at its first train())
         rl = dr.RLTrainer("default", start_from=mem, overrides={**FAST, "run.output_dir": str(tmp_path / "rl"),
                                                                  "eval.before_and_after": False, "run.steps": 1})
-    with rl:
-        rl.train()
+        with rl:
+            rl.train()
     assert "the adapter starts from" in err.getvalue() and "mem-sft" in err.getvalue()
 
 

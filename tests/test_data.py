@@ -335,6 +335,68 @@ def test_a_sampler_rebuilt_from_its_state_draws_what_the_uninterrupted_one_draws
             b = make_sampler(7, 5, json.loads(json.dumps(a.state())), None, conf)  # (through JSON, as saved)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 16), retire=st.sampled_from([0.3, 0.8, 1.0]), revisit=st.sampled_from([0.125, 0.25, 0.5]),
+       band_share=st.sampled_from([0.0, 0.2, 0.5]))
+def test_a_retired_prompt_is_drawn_again_within_a_bound_once_its_rest_is_over(seed, retire, revisit, band_share):
+    """Generated pass-rate histories (a share of the draws retiring, some staying in the band): every retired
+    prompt falls due `revisit_after` steps after its last draw and is then drawn again, in the order they fell due,
+    within ceil(due before it / revisit slots) steps, even while the band fills the replay share (the issue's case:
+    1,773 due and none drawn). The backlog is the step's `difficulty/due`."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    k, after = 8, 10
+    s = _sampler(n=400, replay=0.25, replay_after=3, revisit_after=after, revisit=revisit)
+    slots = round(revisit * k)
+    fell_due: dict[int, int] = {}  # prompt -> the step its rest ended
+    ahead: dict[int, int] = {}  # prompt -> due prompts before it, not drawn yet, when it fell due
+    revisited = 0
+    for step in range(1, 120):
+        for i, t in fell_due.items():
+            if t == step:
+                ahead[i] = sum(1 for j, u in fell_due.items() if u <= step and (u, j) < (t, i))
+        due_now = s.due(step)
+        drawn = s.take(k, step)
+        for i in drawn:
+            if i in fell_due and fell_due[i] <= step:
+                assert step - fell_due[i] < math.ceil((ahead[i] + 1) / slots), (i, step, fell_due[i], ahead[i])
+                revisited += 1
+            fell_due.pop(i, None)
+        assert [i for i in due_now[:slots] if i not in drawn] == []  # (the longest-due first)
+        rates = [(1.0 if rng.random() < 0.5 else 0.0) if rng.random() < retire else
+                 (0.5 if rng.random() < band_share else 0.0) for _ in drawn]
+        s.observe(step, drawn, rates)
+        for i, rate in zip(drawn, rates):
+            if rate in (0.0, 1.0):
+                fell_due[i] = step + after
+        assert s.metrics()["difficulty/due"] == len(s.due(step))
+    assert revisited > 0
+
+
+def test_a_band_no_group_meets_goes_on_and_says_so_at_the_step(tmp_path, capsys):
+    """Dynamic sampling with a band no group of 4 can be inside (0.3-0.4: rates are 0, .25, .5, .75, 1): each step
+    trains on its last round's groups (advantage 0) and says so in one line, where the run used to end; groups of
+    one cannot be measured at all and are refused at load."""
+    from docuchat_rl.config import ConfigError, load_config
+    from docuchat_rl.outputs import read_jsonl
+
+    from .conftest import train_here
+
+    out = tmp_path / "run"
+    train_here(None, [f"run.output_dir={out}", "run.steps=2", "rollout.prompts_per_step=2", "rollout.num_generations=4",
+                      "rollout.max_new_tokens=8", "rollout.dynamic_sampling=true", "rollout.max_resample_rounds=1",
+                      "data.difficulty={low: 0.3, high: 0.4}", "eval.before_and_after=false", "logging.progress=false",
+                      "run.threads=1"])
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["dynamic_sampling/unfilled"] == 1.0 for m in metrics)
+    said = [x for x in capsys.readouterr().err.splitlines() if "dynamic sampling found no group" in x]
+    assert len(said) == 2 and "inside data.difficulty's band" in said[0]
+    with pytest.raises(ConfigError, match="data.difficulty measures a prompt's pass rate over its group"):
+        load_config(None, ["rollout.num_generations=1", "data.difficulty={}", "algorithm.name=a2c"])
+
+
 def test_without_difficulty_the_data_order_is_the_plain_one():
     from docuchat_rl.data import PromptSampler, make_sampler
 
@@ -415,3 +477,29 @@ def test_a_jsonl_file_that_is_empty_torn_or_not_rows_is_one_line_naming_the_key_
     f.write_text(text)
     with pytest.raises(DataError, match=f"data.test: .*{said}"):
         load_split(load_config(None, [f"data.test={f}"]).data, "test")
+
+
+@pytest.mark.parametrize("column", ["prompt_id", "truncated", "completion_tokens", "completions"])
+def test_a_column_named_as_a_reward_argument_is_refused_not_replaced(tmp_path, column):
+    """A data set's own `prompt_id` (or truncated, ...) column would reach the rewards replaced by ours: one line
+    naming the column instead."""
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"question": "Q1", "answer": "#### 1", column: 7}) + "\n")
+    with pytest.raises(DataError, match=f"column '{column}' has the name of an argument docuchat-rl gives every reward"):
+        load_examples(str(f), "train", "question", "answer")
+
+
+def test_a_local_data_file_leaves_no_copy_in_the_datasets_cache(tmp_path, monkeypatch):
+    """datasets caches every file it reads (an Arrow copy per file and content) under the user's home; a local file
+    read here leaves none there."""
+    import datasets
+
+    from docuchat_rl.data import load_table
+
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"question": f"Q{i}", "answer": f"#### {i}"}) + "\n" for i in range(5)))
+    assert len(load_table(str(f), "train")) == 5
+    assert list(cache.rglob("*")) == []

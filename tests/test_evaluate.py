@@ -72,12 +72,10 @@ def test_pass_at_1_pass_at_k_and_their_intervals_against_a_hand_computed_case():
     2/3). Wilson's interval by hand: centre (p + z^2/2n) / (1 + z^2/n), half-width z sqrt(p(1-p)/n + z^2/4n^2)
     / (1 + z^2/n), z 1.96, n 3 prompts: [0.1253, 0.8747] and [0.2077, 0.9385]. Newcombe's difference interval:
     his published examples (56/70 - 48/80: 0.0524 to 0.3339; 9/10 - 3/10: 0.1705 to 0.8090)."""
-    import numpy as np
-
     from docuchat_rl.evaluation import compare, difference, intervals, sampled
 
-    out = sampled(np.array([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=float))
-    assert out == {"pass@1": 0.5, "pass@4": pytest.approx(2 / 3)}
+    out = sampled([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    assert out == {"pass@1": 0.5, "pass@1/rows": 3, "pass@4": pytest.approx(2 / 3, abs=1e-6), "pass@4/rows": 3}
     ci = intervals(out, 3)
     assert ci["pass@1/ci95"] == pytest.approx([0.1253, 0.8747], abs=1e-4)
     assert ci["pass@4/ci95"] == pytest.approx([0.2077, 0.9385], abs=1e-4)
@@ -87,6 +85,24 @@ def test_pass_at_1_pass_at_k_and_their_intervals_against_a_hand_computed_case():
                      {"rows": 80, "accuracy": 48 / 80, "unseen/rows": 10, "unseen/accuracy": 0.4})
     assert change["accuracy"]["beyond_noise"] and not change["unseen/accuracy"]["beyond_noise"]
     assert change["accuracy"]["ci95"] == pytest.approx([0.0524, 0.3339], abs=1e-4)
+
+
+def test_a_value_missing_counts_the_same_in_every_figure_and_its_n():
+    """A sample or row whose accuracy reward gave no value (None) is left out of greedy accuracy, pass@1 and
+    pass@k alike, and out of each one's n (its interval's); pass@1 never scores it as 0."""
+    from docuchat_rl.evaluation import compare, intervals, sampled
+
+    out = sampled([[1, None], [None, None], [0, 0], [0, 1]])
+    assert (out["pass@1"], out["pass@1/rows"], out["pass@2"], out["pass@2/rows"]) == (0.4, 3, pytest.approx(2 / 3,
+                                                                                                             abs=1e-6), 3)
+    out.update({"rows": 4, "accuracy": 0.5, "accuracy/rows": 2})
+    ci = intervals(out, 4)
+    from docuchat_rl.evaluation import wilson
+
+    assert ci["accuracy/ci95"] == list(wilson(0.5, 2)) and ci["pass@2/ci95"] == list(wilson(out["pass@2"], 3))
+    change = compare(out, {**out, "accuracy": 0.0, "accuracy/rows": 4})
+    assert change["accuracy"]["ci95"] == pytest.approx(compare({"rows": 2, "accuracy": 0.5},
+                                                               {"rows": 4, "accuracy": 0.0})["accuracy"]["ci95"])
 
 
 def test_every_set_reports_its_rows_and_intervals_and_eval_against_says_the_difference(tmp_path):
@@ -117,3 +133,34 @@ def test_every_set_reports_its_rows_and_intervals_and_eval_against_says_the_diff
     bad = subprocess.run([sys.executable, "-m", "docuchat_rl", "eval", *sets, "--against", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "--against" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    other = tmp_path / "other.json"  # (an evaluation of other rows, length and temperature: refused, each named)
+    other.write_text(json.dumps({**out, "max_new_tokens": 64, "sampled_temperature": 0.7, "unseen/set": "0" * 16}))
+    refused = subprocess.run([sys.executable, "-m", "docuchat_rl", "eval", *sets, "--against", str(other)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    said = refused.stderr.strip()
+    assert refused.returncode == 2 and len(said.splitlines()) == 1 and refused.stdout == "", said
+    assert "max_new_tokens 32 here, 64 there" in said and "sampled_temperature 1.0 here, 0.7 there" in said
+    assert "unseen/set" in said
+
+
+def test_held_out_prompts_that_do_not_fit_the_models_context_are_refused_before_anything_is_generated(tiny):
+    """As training's: a held-out prompt whose completion of eval.max_new_tokens would pass the model's positions
+    (512 here) is one line naming the set and the row, never scored past them."""
+    from docuchat_rl.config import load_config
+    from docuchat_rl.data import DataError, load_split
+    from docuchat_rl.evaluation import evaluate
+
+    model, tok = tiny
+    cfg = load_config(None, ["eval.limit=2", "eval.max_new_tokens=480"])
+    with pytest.raises(DataError, match=r"^data.test: row 0 has a prompt of \d+ tokens, and the model's context of 512"):
+        evaluate(model, tok, cfg, load_split(cfg.data, "test", 2))
+
+
+def test_pass_k_beyond_what_one_generate_call_holds_is_refused_at_load():
+    from docuchat_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"eval.pass_k \(1000\) is more than eval.batch_size \(128\)"):
+        load_config(None, ["eval.pass_k=1000"])
+    with pytest.raises(ConfigError, match="eval.pass_k"):
+        load_config(None, ["eval.pass_k=1000000", "eval.batch_size=2000000"])
+    assert load_config(None, ["eval.pass_k=256", "eval.batch_size=256"]).eval.pass_k == 256

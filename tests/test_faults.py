@@ -145,7 +145,7 @@ def test_an_unusable_output_folder_fails_before_the_model_loads(tmp_path, where,
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(run_mod, "load_model_and_tokenizer", no_load)
+    monkeypatch.setattr(run_mod, "load_configured", no_load)
     if where == "file":  # a parent that is a file: cannot be created
         (tmp_path / "a-file").write_text("x")
         where = str(tmp_path / "a-file" / "run")

@@ -24,3 +24,43 @@ def test_float16_training_is_refused_in_one_line_naming_the_alternatives(tmp_pat
         Trainer(load_config(None, [f"run.output_dir={tmp_path / 'run'}", "model.dtype=float16"]))
     assert "\n" not in str(e.value)
     assert not (tmp_path / "run").exists()  # refused before the folder was claimed
+
+
+def test_a_refused_start_leaves_nothing_behind_and_a_stage_resumes_only_its_own_checkpoints(tmp_path):
+    """A resume of a run into a new folder, refused because its training file changed, leaves no folder (before:
+    the copied traces and metrics blocked the same command once the data was restored); `train --resume` of an SFT
+    stage's folder says which command resumes it, before anything is written; held-out rows that are training
+    rows (data.test = data.train, an eval.also set) are refused naming the key."""
+    from docuchat_rl.checkpoint import CheckpointError
+    from docuchat_rl.data import DataError
+    from docuchat_rl.trainer import Trainer
+
+    from .conftest import TASK, train_here
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join((TASK / "train.jsonl").read_text().splitlines(True)[:12]))
+    small = ["rollout.prompts_per_step=2", "rollout.num_generations=2", "rollout.max_new_tokens=8", "run.threads=1",
+             "logging.progress=false", "eval.before_and_after=false", f"data.train={data}"]
+    train_here(None, [*small, f"run.output_dir={tmp_path / 'a'}", "run.steps=2"])
+    data.write_text("".join((TASK / "train.jsonl").read_text().splitlines(True)[:13]))
+    with pytest.raises(CheckpointError, match="changed since checkpoint-2"):
+        Trainer(load_config(None, [*small, f"run.output_dir={tmp_path / 'b'}", "run.steps=3"]),
+                resume=str(tmp_path / "a" / "checkpoint-2"))
+    assert not (tmp_path / "b").exists()
+    from docuchat_rl.supervised.trainer import SupervisedTrainer
+
+    stage = SupervisedTrainer(load_config(None, [*small, f"run.output_dir={tmp_path / 's'}", "sft.steps=1",
+                                                 "sft.batch_size=2"]))
+    stage.train()
+    stage.close()
+    with pytest.raises(CheckpointError, match="a checkpoint of the SFT stage .*docuchat-rl sft --resume"):
+        Trainer(load_config(None, [*small, f"run.output_dir={tmp_path / 'c'}"]), resume=str(tmp_path / "s-sft"))
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(CheckpointError, match="a checkpoint of an RL run .*docuchat-rl train --resume"):
+        SupervisedTrainer(load_config(None, [*small, f"run.output_dir={tmp_path / 'e'}", "sft.steps=1"]),
+                          resume=str(tmp_path / "a"))
+    for sets, key in (([f"data.test={data}", "eval.before_and_after=true"], "data.test"),
+                      ([f"eval.also={{copy: {data}}}"], "eval.also.copy")):
+        with pytest.raises(DataError, match=f"^{key}: 13 of its 13 rows ask a question of the training rows"):
+            Trainer(load_config(None, [*small, f"run.output_dir={tmp_path / 'd'}", *sets]))
+        assert not (tmp_path / "d").exists()

@@ -600,3 +600,16 @@ def test_a_template_that_ends_with_the_final_number_refuses_an_answer_without_on
     with pytest.raises(DataError, match="sft.answer_template steps: training row 0's answer has no final number"):
         build_targets(sft_cfg(tmp_path, f"sft.path={f}", "sft.answer_template=steps"), tok, model)
     build_targets(sft_cfg(tmp_path, f"sft.path={f}"), tok, model)  # (as written: the text is the target)
+
+
+@pytest.mark.parametrize("template", ["steps", "think_answer"])
+def test_a_steps_template_on_rows_without_worked_steps_is_refused_not_learned_as_the_bare_answer(tmp_path, tiny,
+                                                                                                   template):
+    """Answer-only rows ("#### N") through a template of the worked steps would teach the bare answer: refused in
+    one line naming the row and the key."""
+    from docuchat_rl.data import DataError
+
+    model, tok = tiny
+    cfg = sft_cfg(tmp_path, f"sft.answer_template={template}", "data.train=data/task_answers_varied/train.jsonl")
+    with pytest.raises(DataError, match=f"sft.answer_template {template}: training row 0's answer has no worked steps"):
+        build_targets(cfg, tok, model)

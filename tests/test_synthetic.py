@@ -195,3 +195,35 @@ def test_a_two_stage_recipe_trains_rl_on_answer_only_rows_its_sft_stage_never_sa
         assert not questions(rl) & questions(sft), path.name
         checked.append(path.name)
     assert "smollm2_transfer.yaml" in checked
+
+
+@pytest.mark.parametrize("argv,said", [
+    ([], "the following arguments are required: --out"),
+    (["--ops", "4", "2"], "--ops 4 2: MIN and MAX"),
+    (["--ops", "0", "0"], "--ops 0 0: MIN and MAX"),
+    (["--train", "-3"], "--train -3: a number of rows"),
+    (["--exclude", "nope.jsonl"], "--exclude nope.jsonl: no such file"),
+    (["--exclude", "columnless.jsonl"], "--exclude columnless.jsonl: line 1 has no 'question' text"),
+    (["--out", "taken"], "--out taken: a folder that holds files"),
+    (["--out", "a_file"], "--out a_file: a file"),
+])
+def test_the_task_script_writes_only_where_it_is_told_and_refuses_bad_arguments_in_one_line(tmp_path, argv, said):
+    """scripts/make_task_data.py: --out is required and must be a new or empty folder (never the embedded task by
+    default); every bad argument is one usage line (exit 2), and nothing is written."""
+    import subprocess
+    import sys
+
+    (tmp_path / "columnless.jsonl").write_text(json.dumps({"prompt": "Q"}) + "\n")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
+    (tmp_path / "a_file").write_text("keep")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    if "--out" not in argv and argv:
+        argv = [*argv, "--out", "new"]
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_task_data.py"), "--train", "5", "--test", "3",
+                           *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and said in done.stderr.strip().splitlines()[-1], done.stderr[-500:]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # (nothing written, nothing changed)
+    ok = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_task_data.py"), "--train", "5", "--test", "3",
+                         "--out", "fresh"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and len((tmp_path / "fresh" / "train.jsonl").read_text().splitlines()) == 5

@@ -101,6 +101,9 @@ def off_policy(inputs, model, batch, seed: int = 1):
     t = inputs["completion_ids"].shape[1]
     pad = lambda x: torch.nn.functional.pad(x, (0, t - x.shape[1]))  # noqa: E731  (TRL's width)
     inputs = {**inputs, "old_per_token_logps": pad(old), "sampling_per_token_logps": pad(sampler)}
+    if "ref_per_token_logps" in inputs:  # (beta > 0: a reference away from the policy, so the KL binds)
+        batch.ref_logps = now + 0.3 * torch.randn(now.shape, generator=g) * mask
+        inputs["ref_per_token_logps"] = pad(batch.ref_logps)
     return inputs, old, sampler
 
 
@@ -171,6 +174,14 @@ CASES = {
     "normalize_then_sum": ({"loss_type": "dapo", "multi_objective_aggregation": "normalize_then_sum"},
                            {"loss_aggregation": "dapo", "multi_objective_aggregation": "normalize_then_sum"}),
     "scale_batch": ({"loss_type": "dapo", "scale_rewards": "batch"}, {"loss_aggregation": "dapo", "scale": "batch"}),
+    # TRL's default use_bias_correction_kl: each token's k3 KL times the (not detached) importance ratio
+    "kl_bias_corrected": ({"loss_type": "dapo", "beta": 0.1},
+                          {"loss_aggregation": "dapo", "beta": 0.1, "kl_bias_correction": True}),
+    "kl_bias_corrected_gspo": ({"loss_type": "grpo", "beta": 0.1, "importance_sampling_level": "sequence"},
+                               {"loss_aggregation": "grpo", "beta": 0.1, "kl_bias_correction": True,
+                                "ratio_level": "sequence"}),
+    "kl_plain": ({"loss_type": "dapo", "beta": 0.1, "use_bias_correction_kl": False},
+                 {"loss_aggregation": "dapo", "beta": 0.1}),
 }
 
 
@@ -202,3 +213,23 @@ def test_the_knobs_change_the_loss(tmp_path):
         batch, _ = our_batch(trainer, inputs)
         loss = float(both_losses(trainer, inputs, our_config(**CASES[case][1]), batch, old, sampler)[1][0])
         assert abs(loss - base) > 1e-4, case
+
+
+def test_the_kl_correction_changes_the_gradient_on_policy_too(tmp_path):
+    """With one update a rollout (old = the policy itself, every ratio 1), TRL's bias-corrected KL still changes
+    the gradient (KL x grad log pi), and ours equals it; without the correction the two runs differ."""
+    trainer, inputs = trl_run(tmp_path, loss_type="dapo", beta=0.1)
+    batch, _ = our_batch(trainer, inputs)
+    inputs, old, sampler = off_policy(inputs, trainer.model, batch)
+    from docuchat_rl.learning.forward import policy_forward
+
+    with torch.no_grad():
+        now = policy_forward(trainer.model, batch).logps
+    t = inputs["completion_ids"].shape[1]
+    inputs["old_per_token_logps"] = torch.nn.functional.pad(now, (0, t - now.shape[1]))
+    corrected = both_losses(trainer, inputs, our_config(loss_aggregation="dapo", beta=0.1, kl_bias_correction=True),
+                            batch, now, sampler)
+    assert_same(corrected[0], corrected[1])
+    plain = both_losses(trainer, inputs, our_config(loss_aggregation="dapo", beta=0.1), batch, now, sampler)[1]
+    num = sum(float((x - y).norm() ** 2) for x, y in zip(corrected[1][1], plain[1])) ** 0.5
+    assert num > 1e-3 * sum(float(x.norm() ** 2) for x in plain[1]) ** 0.5

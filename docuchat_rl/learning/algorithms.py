@@ -34,7 +34,7 @@ import torch
 
 from ..distributed import no_reduce
 from .advantages import decoupled_advantages, gae, group_advantages, nstep_returns, whiten
-from ..algorithm_configs import ALGORITHMS, A2CConfig, GRPOConfig, PPOConfig
+from ..algorithm_configs import ALGORITHMS, A2CConfig, GRPOConfig, PPOConfig, unimplemented
 from .batch import Batch
 from .forward import PolicyOutput
 from .losses import (
@@ -73,8 +73,12 @@ def register_algorithm(config_type: type):
 
 
 def get_algorithm_class(name: str) -> type[Algorithm]:
-    """The class registered under `name`; an unknown name fails listing the valid ones."""
-    if name not in ALGORITHMS or ALGORITHMS[name].implementation is None:
+    """The class registered under `name`; an unknown name fails listing the valid ones, and a config registered
+    without a class (never its parent's: algorithm_configs.register_config) says so."""
+    if name in ALGORITHMS and ALGORITHMS[name].implementation is None:
+        raise KeyError(f"algorithm {name!r} has a config ({ALGORITHMS[name].__name__}) but no class that runs it: "
+                       f"decorate one with @register_algorithm({ALGORITHMS[name].__name__})")
+    if name not in ALGORITHMS:
         raise KeyError(f"unknown algorithm {name!r}; valid: {', '.join(algorithm_names())}")
     return ALGORITHMS[name].implementation
 
@@ -150,12 +154,18 @@ class Algorithm:
         a = self.cfg
         return a.beta > 0 and not getattr(a, "kl_in_reward", False)
 
-    def kl_term(self, out: PolicyOutput, mb: Batch, per_token: torch.Tensor, metrics: dict) -> torch.Tensor:
-        """per_token + beta * k3 KL(pi || ref) when `kl_loss`, with the KL in `metrics`."""
+    def kl_term(self, out: PolicyOutput, mb: Batch, per_token: torch.Tensor, metrics: dict,
+                log_rho: torch.Tensor | None = None) -> torch.Tensor:
+        """per_token + beta * k3 KL(pi || ref) when `kl_loss`, with the KL in `metrics`; with `kl_bias_correction`
+        each token's KL weighted by the importance ratio exp(log_rho) [r, T] or [r, 1], not detached (TRL's
+        use_bias_correction_kl: on-policy the ratio is 1 with the gradient of log pi, so the KL's gradient gains
+        KL * grad log pi)."""
         if not self.kl_loss:
             return per_token
         kl = k3_kl(out.logps, mb.ref_logps)  # [r, T]
         metrics["kl"] = masked_mean(kl.detach(), mb.completion_mask).detach()
+        if getattr(self.cfg, "kl_bias_correction", False):
+            kl = kl * torch.exp(log_rho)  # [r, T]
         return per_token + self.cfg.beta * kl
 
     def policy_loss(self, out: PolicyOutput, mb: Batch, norm: Normalisers):
@@ -167,7 +177,7 @@ class Algorithm:
         metrics: dict = {}
         if mb.behaviour_weights is not None:  # (pi_prox / pi_sampler, from the learner)
             per_token = per_token * mb.behaviour_weights
-        per_token = self.kl_term(out, mb, per_token, metrics)
+        per_token = self.kl_term(out, mb, per_token, metrics, log_rho)
         loss = aggregate(per_token, mask, a.loss_aggregation, norm)
         with torch.no_grad():
             metrics["clip_low"] = masked_mean(low.float(), mask).detach()
@@ -241,7 +251,7 @@ class GRPO(Algorithm):
             per_token = per_token * trained
         if weights is not None:
             per_token = per_token * weights
-        per_token = self.kl_term(out, mb, per_token, metrics)
+        per_token = self.kl_term(out, mb, per_token, metrics, log_rho)
         loss = aggregate(per_token, mask, a.loss_aggregation, norm)
         if a.ent_coef > 0:  # the mean token entropy, whatever the aggregation (as TRL's entropy_coef)
             loss = loss - a.ent_coef * aggregate(out.entropy, trained, "dapo", norm)
@@ -389,3 +399,16 @@ class A2C(ActorCritic):
         if out.entropy is not None:
             metrics["entropy"] = masked_mean(out.entropy.detach(), mask).detach()
         return policy + critic, metrics
+
+
+def check_implemented() -> None:
+    """Every registered algorithm config has its class (called once the built-in algorithms are defined, below):
+    a config without one is refused at import, never run as another algorithm."""
+    missing = unimplemented()
+    if missing:
+        raise ImportError(f"algorithm config{'s' * (len(missing) > 1)} without a class that runs "
+                          f"{'them' if len(missing) > 1 else 'it'}: {', '.join(missing)} (decorate the class with "
+                          "@register_algorithm(TheConfig))")
+
+
+check_implemented()

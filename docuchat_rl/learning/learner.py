@@ -214,6 +214,7 @@ class Learner:
         self.model.train()
         for _ in range(self.handed.num_iterations):
             for k in range(self.n_minibatches):
+                lr = float(self.scheduler.get_last_lr()[0])  # (the rate this optimizer step uses: what TRL logs)
                 total = self._accumulate(batch, slice(bounds[k], bounds[k + 1]), acc)
                 grad_norm = self._step(total, step)
                 if grad_norm is None:
@@ -224,7 +225,7 @@ class Learner:
         out = acc.result(self.dist)
         out.update(loss=float(np.mean(losses)) if losses else None,
                    grad_norm=float(np.mean(grad_norms)) if grad_norms else None,
-                   lr=float(self.scheduler.get_last_lr()[0]), optimizer_steps=len(losses), nonfinite_skipped=skipped)
+                   lr=lr, optimizer_steps=len(losses), nonfinite_skipped=skipped)
         return out
 
     def _accumulate(self, batch: Batch, rows: slice, acc: MetricAccumulator) -> float:

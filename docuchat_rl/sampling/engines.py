@@ -186,10 +186,9 @@ def _own_policy(cfg: Config) -> tuple[torch.nn.Module, object]:
     """(model, tokenizer): a copy of the policy for a worker process, the base model with the run's LoRA
     layout, in eval mode (the versions' tensors go into it)."""
     from ..learning.fused_lora import fuse_lora
-    from ..modeling import build_lora, disable_dropout, load_model_and_tokenizer
+    from ..modeling import build_lora, disable_dropout, load_configured
 
-    model, tokenizer = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype, cfg.model.device,
-                                                cfg.model.trust_remote_code, cfg.model.revision, cfg.model.stop_tokens)
+    model, tokenizer = load_configured(cfg.model)
     if cfg.model.disable_dropout:
         disable_dropout(model)
     model = build_lora(model, cfg.lora)

@@ -255,6 +255,11 @@ class Collector:
                     varied = dist.gather(varied) if dist.active else varied
             elif dist.active:
                 varied = dist.gather(varied)  # the whole round's flags, in slot order
+            unfilled = bool(r.dynamic_sampling and not kept and not any(varied) and rounds >= r.max_resample_rounds)
+            if unfilled:  # (an expected condition, not an end: the last round's groups train, their advantages 0,
+                # and the step's log says so: traces.signal_warnings)
+                varied = [p not in gen.dropped_groups for p in range(len(idx))] if idx else []
+                varied = dist.gather(varied) if dist.active else varied
             group_of = []  # the step-wide group of each of the round's prompts (None: dropped)
             for v in varied:
                 use = v and kept < r.prompts_per_step
@@ -267,6 +272,8 @@ class Collector:
             rounds += 1
             if kept >= r.prompts_per_step or not r.dynamic_sampling or rounds > r.max_resample_rounds:
                 metrics = self.sampler.metrics() if isinstance(self.sampler, DifficultySampler) else {}
+                if r.dynamic_sampling:
+                    metrics["dynamic_sampling/unfilled"] = float(unfilled)
                 return Rollout(completions, sampled, kept, logged, data_metrics=metrics, prefill=prefill)
 
     def data_state(self, step: int) -> dict:

@@ -29,17 +29,20 @@ assistant turns from a JSONL file (the last one is learned; a tool conversation 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from rewards.correctness import gold_of
 
-from ..data import (DataError, Example, examples_of, load_examples, load_split, normalized, prompt_turns,
-                    reasoning_target, render_prompt)
+from ..data import (DataError, Example, examples_of, load_examples, load_split, normalized, prompt_text,
+                    prompt_turns, reasoning_target, render_prompt)
+from ..modeling import end_of_turn
 from ..outputs import read_jsonl
 from ..sampling.generation import Generation
 from ..sampling.multiturn import MultiTurn, reset_environments, run_turns, turn_seed
@@ -59,6 +62,7 @@ class Target:
     target_ids: list[int]  # the target's tokens, ending with the end-of-turn token
     loss_mask: list[int]  # per target token: 1 the loss reads it, 0 a tool's result
     question: str = ""  # the prompt's question (the held-out check compares it)
+    conversation: bool = False  # a TRL messages row (a language-modeling row: sft.loss_tokens by_format reads it whole)
 
     @property
     def length(self) -> int:
@@ -69,6 +73,17 @@ class Target:
         return {"prompt_id": self.prompt_id, "where": self.where, "question": self.question,
                 "target": tokenizer.decode(self.target_ids, skip_special_tokens=False),
                 "target_tokens": len(self.target_ids), "loss_tokens": sum(self.loss_mask)}
+
+
+def end_token(model, tokenizer, eos_token: str | None) -> int:
+    """The token a text target ends with: sft.eos_token (one token of the vocabulary), else the one the chat
+    template ends an assistant turn with (modeling.end_of_turn)."""
+    if eos_token is None:
+        return end_of_turn(model, tokenizer)
+    ids = tokenizer(eos_token, add_special_tokens=False)["input_ids"]
+    if len(ids) != 1:
+        raise DataError(f"sft.eos_token {eos_token!r} is {len(ids)} tokens of this tokenizer, not one")
+    return ids[0]
 
 
 def answer_text(answer: str, template: str) -> str:
@@ -123,6 +138,11 @@ class Builder:
                 # teach "#### " followed by nothing, or by the whole answer)
                 raise DataError(f"sft.answer_template {template}: training row {e.prompt_id}'s answer has no final "
                                 f"number to end with ('#### N'): {e.answer_text[-60:]!r}")
+            if template != "as_written" and not e.answer_text.split("####")[0].strip():  # (a template of the
+                # worked steps on a row that has none would teach the bare answer)
+                raise DataError(f"sft.answer_template {template}: training row {e.prompt_id}'s answer has no worked "
+                                f"steps before its final '#### N' ({e.answer_text.strip()[:40]!r}): the template would "
+                                "teach the bare answer; use rows with worked solutions (sft.path), or as_written")
             out.append(self._target(i, f"row {e.prompt_id}", self._text(answer_text(e.answer_text, template))))
         return out
 
@@ -184,7 +204,7 @@ class Builder:
         with TraceStore([run]) as store:
             rows = store.select(where, sort="step DESC, source, lineno",
                                 columns="step, sample, prompt_id, prompt, completion_ids, turns, observation, "
-                                        "truncated")
+                                        "truncated", where_name="sft.where")
         kept: dict[int, list[tuple]] = {}
         out = []
         for r in rows:
@@ -218,12 +238,12 @@ class Builder:
         if not out:
             cut = (f" ({self.left_out} selected completions were cut at max_new_tokens: sft.keep_truncated: true "
                    "learns them)") if self.left_out else ""
-            raise DataError(f"sft.path {run}: --where {where!r} selects no traced completion{cut}: nothing to learn")
+            raise DataError(f"sft.path {run}: sft.where {where!r} selects no traced completion{cut}: nothing to learn")
         return out
 
 
 def jsonl_targets(path: str, tokenizer, eos: int, system_prompt: str | None, few_shot: list[dict],
-                  multiturn: MultiTurn | None) -> list[Target]:
+                  multiturn: MultiTurn | None, as_given: bool = False) -> list[Target]:
     """A JSONL file of TRL's rows: {"prompt", "completion"} (text or messages) or {"messages"}."""
     p = Path(path)
     if p.is_dir():
@@ -237,7 +257,8 @@ def jsonl_targets(path: str, tokenizer, eos: int, system_prompt: str | None, few
         raise DataError(f"{path}: line {skipped[0]} is {why[skipped[0]]}")
     if not rows:
         raise DataError(f"{path}: no rows")
-    return trl_targets(rows, lambda n: f"{path}: line {n}", tokenizer, eos, system_prompt, few_shot, multiturn)
+    return trl_targets(rows, lambda n: f"{path}: line {n}", tokenizer, eos, system_prompt, few_shot, multiturn,
+                       as_given)
 
 
 def is_trl_rows(rows: list[dict]) -> bool:
@@ -247,7 +268,7 @@ def is_trl_rows(rows: list[dict]) -> bool:
 
 
 def trl_targets(rows: list[dict], where: Callable[[int], str], tokenizer, eos: int, system_prompt: str | None,
-                few_shot: list[dict], multiturn: MultiTurn | None) -> list[Target]:
+                few_shot: list[dict], multiturn: MultiTurn | None, as_given: bool = False) -> list[Target]:
     """Targets of TRL's rows (a file's or a data set's in memory; `where(n)` names row n, 1-based): each row
     checked (trl_row), its prompt rendered as RL renders one, its completion ended with the end-of-turn token."""
     out = []
@@ -260,10 +281,17 @@ def trl_targets(rows: list[dict], where: Callable[[int], str], tokenizer, eos: i
             _observation_free(multiturn, row, where(n))
         turns = prompt_turns(question, system_prompt, messages, few_shot)
         text = (multiturn.render(turns) if multiturn is not None else
-                render_prompt(tokenizer, question, system_prompt, messages, few_shot))
+                render_prompt(tokenizer, question, system_prompt, messages, few_shot, as_given))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         target = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
-        out.append(Target(-1, where(n).rsplit(": ", 1)[-1], ids, target, [1] * len(target), question))
+        if as_given and messages is not None and multiturn is None:  # (TRL's: the whole conversation through the
+            # template, so the target ends as the template ends the turn, not at its end-of-turn token)
+            whole = list(messages) + [{"role": "assistant", "content": completion}]
+            full = tokenizer(tokenizer.apply_chat_template(whole, tokenize=False), add_special_tokens=False)["input_ids"]
+            if full[:len(ids)] == ids and len(full) > len(ids):
+                target = full[len(ids):]
+        out.append(Target(-1, where(n).rsplit(": ", 1)[-1], ids, target, [1] * len(target), question,
+                          conversation="messages" in row))
     return out
 
 
@@ -324,7 +352,7 @@ def memory_targets(cfg, tokenizer, rows: list[dict], eos: int, multiturn) -> lis
         raise DataError(f"train_dataset and sft.path both name the SFT rows (sft.source {s.source}): give one")
     if is_trl_rows(rows):
         return trl_targets(rows, lambda n: f"train_dataset: row {n - 1}", tokenizer, eos, d.system_prompt,
-                           d.few_shot_turns, multiturn)
+                           d.few_shot_turns, multiturn, d.prompt_format == "as_given")
     from datasets import Dataset
 
     examples = examples_of(Dataset.from_list(rows), "train_dataset (in memory)", d.prompt_column, d.answer_column)
@@ -339,7 +367,7 @@ def rl_prompt_ids(cfg, tokenizer, examples: list, multiturn) -> list[list[int]]:
     naming the row: RL would drop that prompt's group, and SFT has no prompt to learn it after."""
     if multiturn is None:
         d = cfg.data
-        texts = [render_prompt(tokenizer, e.question, d.system_prompt, e.messages, d.few_shot_turns) for e in examples]
+        texts = [prompt_text(tokenizer, d, e) for e in examples]
         return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     observations = [None] * len(examples)
     if multiturn.source.environment is not None:
@@ -361,12 +389,15 @@ def fingerprint(targets: list[Target]) -> dict:
     return {"rows": len(targets), "sha256": h.hexdigest()[:16]}
 
 
-def check_held_out(targets: list[Target], cfg) -> None:
-    """Refuse an SFT set that holds a held-out question (data.test's, eval.also's): its held-out accuracy would
-    measure recall, not skill. Questions are compared as `data.normalized` text (case, spacing and punctuation
-    aside). One line naming the first such example."""
+def check_held_out(targets: list[Target], cfg, given: list | None = None) -> None:
+    """Refuse an SFT set that holds a held-out question (data.test's, eval.also's, or the `given` rows: the API's
+    eval_dataset, in data.test's place): its held-out accuracy would measure recall, not skill. Questions are
+    compared as `data.normalized` text (case, spacing and punctuation aside). One line naming the first such
+    example."""
     d, sets = cfg.data, {}
-    if d.test:
+    if given is not None:
+        sets["eval_dataset"] = given
+    elif d.test:
         sets["data.test"] = load_split(d, "test")
     for name, path in cfg.eval.also.items():
         sets[f"eval.also.{name}"] = load_examples(path, d.test_split, d.prompt_column, d.answer_column,
@@ -380,10 +411,46 @@ def check_held_out(targets: list[Target], cfg) -> None:
                             f"{hit.where}, {hit.question[:60]!r}): SFT learns from training rows only")
 
 
-def check_lengths(targets: list[Target], max_length: int) -> None:
-    """Refuse (one line) an example longer than sft.max_length: it is never cut, as a cut target teaches a
-    completion that stops mid-way."""
+def loss_over(targets: list[Target], loss_tokens: str) -> list[Target]:
+    """sft.loss_tokens: `target` as built; `all` (and `by_format` for a conversation row, TRL's language-modeling
+    loss) every token after the first, the prompt's included, a tool result's still out."""
+    out = []
+    for t in targets:
+        if loss_tokens == "all" or (loss_tokens == "by_format" and t.conversation):
+            ids = t.prompt_ids + t.target_ids
+            mask = [1] * (len(t.prompt_ids) - 1) + t.loss_mask
+            t = dataclasses.replace(t, prompt_ids=ids[:1], target_ids=ids[1:], loss_mask=mask)
+        out.append(t)
+    return out
+
+
+def check_lengths(targets: list[Target], max_length: int, truncation: str = "refuse") -> list[Target]:
+    """sft.truncation for an example longer than `max_length` (sft.max_length, or the model's context): refused in
+    one line (`refuse`: a cut target teaches a completion that stops mid-way), or cut to its first (`keep_start`,
+    TRL's) or last (`keep_end`) max_length tokens; a cut that leaves no loss token drops the example, said once."""
     long = [t for t in targets if t.length > max_length]
-    if long:
+    if long and truncation == "refuse":
         raise DataError(f"sft.max_length {max_length}: {len(long)} example{'s' * (len(long) != 1)} longer (first: "
-                        f"{long[0].where}, {long[0].length} tokens): raise sft.max_length or drop them")
+                        f"{long[0].where}, {long[0].length} tokens): raise sft.max_length, drop them, or cut them "
+                        "(sft.truncation keep_start)")
+    out, dropped = [], 0
+    for t in targets:
+        if t.length > max_length:
+            n = len(t.prompt_ids)
+            keep = range(max_length) if truncation == "keep_start" else range(t.length - max_length, t.length)
+            ids, mask = t.prompt_ids + t.target_ids, [0] * n + t.loss_mask
+            ids, mask = [ids[i] for i in keep], [mask[i] for i in keep]
+            cut = max(1, min(n - keep.start, len(ids) - 1)) if truncation == "keep_end" else min(n, len(ids) - 1)
+            t = dataclasses.replace(t, prompt_ids=ids[:cut], target_ids=ids[cut:], loss_mask=mask[cut:])
+            if not any(t.loss_mask):
+                dropped += 1
+                continue
+        out.append(t)
+    if dropped:
+        print(f"docuchat-rl: sft.truncation {truncation}: {dropped} example{'s' * (dropped != 1)} had no target token "
+              f"left within sft.max_length {max_length} and {'were' if dropped != 1 else 'was'} left out",
+              file=sys.stderr, flush=True)
+    if not out:
+        raise DataError(f"sft.max_length {max_length}: no example keeps a target token after sft.truncation "
+                        f"{truncation}")
+    return out

@@ -34,6 +34,8 @@ import torch
 
 from ..checkpoint import (
     TrainerState,
+    SFT_MARK,
+    check_stage,
     check_resumable,
     latest_step,
     load_training_state,
@@ -43,24 +45,25 @@ from ..checkpoint import (
     save_checkpoint,
     write_training_state,
 )
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, saves_at
 from ..data import load_examples, load_split
 from ..errors import CheckpointError, Preempted, TrainingError
 from ..learning.fused_lora import fuse_lora
-from ..modeling import end_of_turn, eos_ids
-from ..outputs import JsonlWriter
+from ..modeling import eos_ids
+from ..outputs import JsonlWriter, undo_start
 from ..preemption import Preemption
 from ..progress import Progress
 from ..run import agree_on_main, build_optimizer, launch, lock_output_dir, policy_model
 from ..sampling.multiturn import ToolError, multiturn_from_config
 from .loss import nll_sum
-from .targets import (Builder, Target, check_held_out, check_lengths, fingerprint, jsonl_targets, memory_targets,
-                      rl_prompt_ids)
+from .targets import (Builder, Target, check_held_out, check_lengths, end_token, fingerprint, jsonl_targets,
+                      loss_over, memory_targets, rl_prompt_ids)
 
-TARGETS_FILE = "sft_targets.jsonl"
+TARGETS_FILE = SFT_MARK  # (every example learned; its presence marks the folder an SFT stage's: check_stage)
 
 
-def build_targets(cfg: Config, tokenizer, model, rows: list[dict] | None = None) -> list[Target]:
+def build_targets(cfg: Config, tokenizer, model, rows: list[dict] | None = None,
+                  held_out: list | None = None) -> list[Target]:
     """The SFT set of the recipe (sft.source), checked: no held-out question, none longer than sft.max_length
     or the model's context. `rows`: a data set in memory in place of the source's file (the Python API's
     train_dataset): TRL's rows (prompt/completion, messages) as source jsonl reads them, or rows with the
@@ -71,11 +74,12 @@ def build_targets(cfg: Config, tokenizer, model, rows: list[dict] | None = None)
         multiturn = multiturn_from_config(cfg, tokenizer, stop_ids=eos_ids(model, tokenizer), context_len=context)
     except ToolError as e:
         raise TrainingError(str(e)) from None
-    eos = end_of_turn(model, tokenizer)  # (the token the chat template ends an assistant turn with)
+    eos = end_token(model, tokenizer, s.eos_token)
     if rows is not None:
         targets = memory_targets(cfg, tokenizer, rows, eos, multiturn)
     elif s.source == "jsonl":
-        targets = jsonl_targets(s.path, tokenizer, eos, d.system_prompt, d.few_shot_turns, multiturn)
+        targets = jsonl_targets(s.path, tokenizer, eos, d.system_prompt, d.few_shot_turns, multiturn,
+                                d.prompt_format == "as_given")
     else:
         examples = (load_split(d, "train") if s.source == "traces" or not s.path else
                     load_examples(s.path, d.train_split, d.prompt_column, d.answer_column, revision=d.revision,
@@ -88,9 +92,10 @@ def build_targets(cfg: Config, tokenizer, model, rows: list[dict] | None = None)
             print(f"docuchat-rl: sft.source traces: {build.left_out} selected completion"
                   f"{'s were' if build.left_out != 1 else ' was'} cut at max_new_tokens and not learned "
                   "(sft.keep_truncated: true learns them)", file=sys.stderr, flush=True)
-    check_held_out(targets, cfg)
-    check_lengths(targets, min(s.max_length, context or s.max_length))
-    return targets
+    check_held_out(targets, cfg, held_out)
+    targets = loss_over(targets, s.loss_tokens)
+    limit = min(x for x in (s.max_length, context) if x is not None) if (s.max_length or context) else None
+    return check_lengths(targets, limit, s.truncation) if limit is not None else targets
 
 
 def batch_order(n: int, batch_size: int, step: int, seed: int) -> list[int]:
@@ -128,16 +133,22 @@ class SupervisedTrainer:
             raise TrainingError("docuchat-rl sft trains in one process (train is the stage that runs on several)")
         cfg = cfg.for_device(place.dist.device.type)
         self.cfg = cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": place.dtype})})
+        if resume_dir is not None:
+            check_stage(resume_dir, "sft")
         applied = check_resumable(resume_dir, cfg.to_dict(), ("sft.output_dir",)) if resume_dir else []
         self.dist, self.is_main = place.dist, True
-        self.lock = agree_on_main(place.dist, lock_output_dir, self.out_dir, cfg.run.overwrite, resume_dir, True, "sft.output_dir")
+        undo, self.lock = undo_start(self.out_dir), None
         try:
+            self.lock = agree_on_main(place.dist, lock_output_dir, self.out_dir, cfg.run.overwrite, resume_dir, True,
+                                      "sft.output_dir")
             if applied:
                 print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
                       file=sys.stderr, flush=True)
             self._build(resume_dir)
         except BaseException:
-            self.lock.release()
+            if self.lock is not None:
+                self.lock.release()
+            undo()  # (a refused start leaves the folder as it found it)
             raise
 
     def _build(self, resume_dir: Path | None) -> None:
@@ -152,10 +163,11 @@ class SupervisedTrainer:
         if cfg.lora.fused:
             fuse_lora(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.targets = build_targets(cfg, self.tokenizer, self.model, self.given_rows)
+        self.targets = build_targets(cfg, self.tokenizer, self.model, self.given_rows, self.given_held_out)
         data = fingerprint(self.targets)
-        self.steps = s.steps or max(1, math.ceil((s.epochs or 1.0) * len(self.targets) / s.batch_size))
-        optim = cfg.optim.model_copy(update={"lr": s.lr, "schedule": s.schedule, "warmup_steps": s.warmup_steps})
+        self.steps = s.steps or max(1, math.ceil((s.epochs or 1.0) * math.ceil(len(self.targets) / s.batch_size)))
+        optim = cfg.optim.model_copy(update={"lr": s.lr, "schedule": s.schedule, "schedule_kwargs": s.schedule_kwargs,
+                                             "warmup_steps": s.warmup_steps})
         opt, sched = build_optimizer(self.params, optim, self.steps)
         acc = self.place.accelerator
         self.optimizer, self.scheduler = acc.prepare(opt, sched)
@@ -213,11 +225,12 @@ class SupervisedTrainer:
         if not (math.isfinite(total) and math.isfinite(norm)):
             raise TrainingError(f"sft step {step}: the loss or its gradient is not finite (loss {total / tokens}, "
                                 f"gradient norm {norm}): lower sft.lr")
+        lr = float(self.scheduler.get_last_lr()[0])  # (the rate this step uses: what TRL logs)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         m = {"step": step, "loss": total / tokens, "tokens": tokens, "examples": len(chosen),
-             "epoch": round(step * s.batch_size / len(self.targets), 4), "lr": float(self.scheduler.get_last_lr()[0]),
+             "epoch": round(step * s.batch_size / len(self.targets), 4), "lr": lr,
              "grad_norm": norm, "time/step": time.perf_counter() - t0}
         self.metrics.write([m])
         self.step = step
@@ -253,7 +266,7 @@ class SupervisedTrainer:
                     progress.show(step, {"loss": f"{m['loss']:.3f}", "epoch": f"{m['epoch']:.2f}"})
                     last = step in (self.steps, stop_after) or bool(self.on_step and self.on_step(m))  # (the API's
                     # callbacks may stop the run after any step: it is checkpointed, as at stop_after)
-                    if step % self.cfg.checkpoint.every == 0 or last:
+                    if saves_at(step, self.cfg.checkpoint.every, self.steps) or last:
                         self.checkpoint(step)
                     if self.preemption.requested():
                         if latest_step(self.out_dir) != step:

@@ -220,30 +220,34 @@ class TraceStore:
         self.close()
 
     # ------------------------------------------------------------ filters
-    def _checked(self, expr: str, what: str) -> str:
+    def _checked(self, expr: str, what: str, name: str | None = None) -> str:
+        """`expr` as a checked SQL filter (`what` where) or order (sort); errors name `name`, the setting it came
+        from (the audit's --where / --sort by default; sft.where for the SFT stage's)."""
         import duckdb
 
+        name = name or f"--{what}"
         if not expr.strip():
-            raise AuditError(f"empty --{what} expression")
+            raise AuditError(f"empty {name} expression")
         sql = f"SELECT 1 FROM traces WHERE ({expr}) LIMIT 0" if what == "where" else \
               f"SELECT 1 FROM traces ORDER BY {expr} LIMIT 0"
         try:
             if len(self.con.extract_statements(sql)) != 1:
-                raise AuditError(f"--{what} must be a single expression")
+                raise AuditError(f"{name} must be a single expression")
             self.con.execute(sql)
         except duckdb.Error as e:
             first = str(e).splitlines()[0]
-            raise AuditError(f"bad --{what} expression {expr!r}: {first}. Fields: "
+            raise AuditError(f"bad {name} expression {expr!r}: {first}. Fields: "
                              f"{', '.join(BASE_COLUMNS)}; components (use .raw/.weight/.weighted/.error/.info): "
                              f"{', '.join(self.components)}") from None
         return expr
 
     def select(self, where: str | None = None, sort: str | None = None, limit: int | None = None,
-               columns: str = "*") -> list[dict]:
-        """Rows of the traces (as dicts) matching a checked SQL `where`, ordered by `sort`, at most `limit`."""
+               columns: str = "*", where_name: str | None = None) -> list[dict]:
+        """Rows of the traces (as dicts) matching a checked SQL `where` (its errors naming `where_name`, the setting
+        it came from: --where by default), ordered by `sort`, at most `limit`."""
         sql = f"SELECT {columns} FROM traces"
         if where:
-            sql += f" WHERE ({self._checked(where, 'where')})"
+            sql += f" WHERE ({self._checked(where, 'where', where_name)})"
         sql += f" ORDER BY {self._checked(sort, 'sort')}" if sort else " ORDER BY source, lineno"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"

@@ -22,9 +22,9 @@ from typing import Callable
 
 from ..checkpoint import saved_config
 from ..config import Config, ModelConfig
-from ..data import Example, render_prompt
+from ..data import Example, prompt_text
 from ..errors import ModelError
-from ..modeling import eos_ids, load_model_and_tokenizer
+from ..modeling import eos_ids, load_configured
 from ..outputs import read_jsonl
 from ..sampling.decoding import Decoding
 from ..sampling.generation import completion_texts, generate
@@ -56,8 +56,7 @@ def check_adapter_files(adapter: str | Path) -> None:
 def load_policy(m: ModelConfig, adapter: str | Path | None, device: str | None = None):
     """(model, tokenizer): the configured base model (on `device`, else model.device), with the
     checkpoint's adapter when given."""
-    model, tok = load_model_and_tokenizer(m.name_or_path, m.dtype, device or m.device, m.trust_remote_code,
-                                          m.revision, m.stop_tokens)
+    model, tok = load_configured(m, device=device)
     if adapter is not None:
         from peft import PeftModel
 
@@ -82,7 +81,7 @@ def sample_records(model, tok, cfg: Config, examples: list[Example], *, n: int =
     from ..traces import completion_fields
 
     cfg = cfg.for_device(next(model.parameters()).device.type)
-    prompts = [render_prompt(tok, e.question, cfg.data.system_prompt, e.messages, cfg.data.few_shot_turns)
+    prompts = [prompt_text(tok, cfg.data, e)
                for e in examples]
     ctx = model.disable_adapter() if base and hasattr(model, "disable_adapter") else contextlib.nullcontext()
     with ctx:
@@ -166,8 +165,7 @@ def export_merged(cfg: Config, adapter: str | Path, out: str | Path, dtype: str 
         raise FileExistsError(f"export folder {out} is not empty; give a new folder")
     check_adapter_files(adapter)
     m = cfg.model
-    base, tok = load_model_and_tokenizer(m.name_or_path, dtype, "cpu", m.trust_remote_code, m.revision,
-                                         m.stop_tokens)
+    base, tok = load_configured(m, dtype, "cpu")
     lm_head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
     if getattr(base.config, "tie_word_embeddings", False) and lm_head is not None and \
             lm_head.weight is embedding.weight:
