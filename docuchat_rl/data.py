@@ -146,31 +146,62 @@ def check_utf8(path: Path) -> None:
                                 f"column {e.start + 1}); save the file as UTF-8") from None
 
 
-def check_json_lines(path: Path, who: str = "") -> bool:
-    """Refuse a JSON lines file with a line that is not a JSON object, naming the line (datasets would fail with
-    a message that names neither); False when no line is there at all (blank lines only: an empty file)."""
-    seen = False
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            seen = True
-            try:
-                row = json.loads(raw)
-            except (ValueError, RecursionError) as e:
-                raise DataError(f"{who}{path}: line {number} is not JSON ({str(e)[:80]})") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{who}{path}: line {number} holds a JSON {type(row).__name__}, not an object (one row "
-                                "a line: {\"question\": ..., \"answer\": ...})")
-    return seen
+def json_rows(path: Path, who: str = "") -> list[dict]:
+    """A JSON lines file's rows (a .json file may hold one array of them), each line checked: one that is not a JSON
+    object is one line naming it (datasets would fail with a message that names neither)."""
+    text = path.read_bytes()
+    if path.suffix.lower() == ".json" and text.lstrip().startswith(b"["):
+        try:
+            rows = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{who}{path}: not JSON ({str(e)[:80]})") from None
+        bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+        if bad is not None:
+            raise DataError(f"{who}{path}: item {bad} holds a JSON {type(rows[bad]).__name__}, not an object")
+        return rows
+    rows = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise DataError(f"{who}{path}: line {number} is not JSON ({str(e)[:80]})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{who}{path}: line {number} holds a JSON {type(row).__name__}, not an object (one row "
+                            "a line: {\"question\": ..., \"answer\": ...})")
+        rows.append(row)
+    return rows
+
+
+class Rows:
+    """A local file's rows in memory, as the readers use a `datasets.Dataset` (column_names, len, select, rows as
+    dicts): read without datasets' builder, whose cache writes an Arrow copy of every file read under the user's
+    home (and needs disk space to read a file), and whose type unification across rows turns a cell of the wrong
+    type into a parser error naming no row (here each row's cells reach examples_of's checks as written). A row
+    without a column has None there, as datasets gives it."""
+
+    def __init__(self, rows: list[dict]):
+        self.rows = rows
+        self.column_names = list(dict.fromkeys(k for r in rows for k in r))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {k: self.rows[i].get(k) for k in self.column_names}
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.rows)))
+
+    def select(self, indices) -> Rows:
+        return Rows([self.rows[i] for i in indices])
 
 
 def load_table(source: str, split: str, revision: str | None = None, subset: str | None = None,
                key: str | None = None):
-    """A `datasets.Dataset` from a local file (by extension) or a hub name. Errors name the source, after the
-    config key or argument that named it (`key`) when given."""
-    import datasets
-
+    """A data set's rows: a local file's (by extension) as `Rows`, in memory; a hub name's as a `datasets.Dataset`.
+    Errors name the source, after the config key or argument that named it (`key`) when given."""
     path = Path(source)
     who = f"{key}: " if key else ""
     if path.suffix.lower() in LOCAL_FORMATS or path.exists():
@@ -184,23 +215,24 @@ def load_table(source: str, split: str, revision: str | None = None, subset: str
                             f"use one of {sorted(LOCAL_FORMATS)}")
         if fmt != "parquet":
             check_utf8(path)
-        if path.stat().st_size == 0 or (path.suffix.lower() == ".jsonl" and not check_json_lines(path, who)):
-            raise DataError(f"{who}data file is empty: {source}")
-        import tempfile
+        if fmt == "json":
+            table = Rows(json_rows(path, who))
+            if not len(table):
+                raise DataError(f"{who}data file is empty: {source}")
+        else:
+            if path.stat().st_size == 0:
+                raise DataError(f"{who}data file is empty: {source}")
+            try:
+                import pyarrow.csv
+                import pyarrow.parquet
 
-        bars = datasets.utils.logging.is_progress_bar_enabled()
-        datasets.utils.logging.disable_progress_bar()  # (a bar per local file read is noise on the terminal)
-        try:  # (read into memory through a cache of its own, removed after: a local file leaves no copy of itself
-            # under the user's home, as datasets' default cache would, one per file and content)
-            with tempfile.TemporaryDirectory(prefix="docuchat-data-") as cache:
-                table = datasets.load_dataset(fmt, data_files=str(path), split="train", cache_dir=cache,
-                                              keep_in_memory=True)
-        except Exception as e:  # datasets wraps parser errors in many types
-            raise DataError(f"could not read {source} as {fmt}: {e}") from e
-        finally:
-            if bars:
-                datasets.utils.logging.enable_progress_bar()
+                arrow = pyarrow.csv.read_csv(path) if fmt == "csv" else pyarrow.parquet.read_table(path)
+            except Exception as e:  # (pyarrow's parsers raise several types)
+                raise DataError(f"could not read {source} as {fmt}: {str(e).splitlines()[0][:200]}") from e
+            table = Rows(arrow.to_pylist())
     else:
+        import datasets
+
         try:
             table = datasets.load_dataset(source, subset, revision=revision, split=split)
         except Exception as e:

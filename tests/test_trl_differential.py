@@ -82,6 +82,37 @@ SFT_ROWS = [
                               "eos_token": "<|endoftext|>"}, {"r": 4, "lora_alpha": 8}, "prompt_completion"),
 ]
 
+def _inert_sample(n: int = 8, seed: int = 0) -> dict:
+    """A generated row: `n` of GRPOConfig's inert fields (trl_args.INERT), drawn by `seed`, each set to another value
+    TRL itself accepts (a bool flipped, a number moved): with them, TRL and we must still do the same."""
+    import dataclasses
+    import random
+
+    from trl import GRPOConfig
+
+    from docuchat_rl.trl_args import INERT
+
+    base = GRPOConfig(output_dir="/tmp/inert", **GRPO_BASE)
+    fields = sorted(f.name for f in dataclasses.fields(GRPOConfig) if f.name in INERT)
+    out: dict = {}
+    for name in random.Random(seed).sample(fields, len(fields)):
+        value = getattr(base, name)
+        other = (not value if isinstance(value, bool) else value + 3 if isinstance(value, int)
+                 else value * 2 if isinstance(value, float) and value else None)
+        if other is None or name in ("local_rank", "logging_steps", "eval_on_start", "load_best_model_at_end"):
+            continue  # (processes; TRL's own logging; the two that need an evaluation set, which no row has)
+        try:
+            GRPOConfig(output_dir="/tmp/inert", **{**GRPO_BASE, **out, name: other})
+        except Exception:  # noqa: BLE001 (a value TRL refuses, or one that needs another field)
+            continue
+        out[name] = other
+        if len(out) == n:
+            break
+    return out
+
+
+GRPO_ROWS.append(("generated-inert-fields", _inert_sample(), None, "text"))
+
 # mapped fields the table does not run, and why (each is mapped in trl_args and checked in tests/test_trl_args.py)
 NOT_RUN = {
     "use_vllm": "vLLM is not in the main environment (scripts/vllm_tests.sh holds its tests)",
