@@ -3,7 +3,10 @@
 The Python API (docuchat_rl/api.py, docs/api.md): `RLTrainer`, `SFTTrainer`, `recipe`.
 """
 
+from .errors import quiet_bitsandbytes
 from .sampling import reward_models  # noqa: F401  (the engine's torch-based reward registers itself under `reward_model`)
+
+quiet_bitsandbytes()  # (before anything imports it: peft does at its import)
 
 __version__ = "0.1.0"
 __all__ = ["RLTrainer", "SFTTrainer", "TrainOutput", "recipe", "__version__"]

@@ -127,6 +127,12 @@ class ModelConfig(Section):
     """Weights dtype; bf16-autocast: bfloat16 weights, float32 LoRA adapters, every forward under bfloat16 autocast (TRL's bf16; keeps no float32 copy of each adapted layer's input: less memory than bfloat16, measured on a CPU); bf16-mixed: bfloat16 weights and matmuls, float32 residual stream and logits (faster on AVX512-BF16 CPUs, larger sampler/trainer gap); auto: bfloat16 on GPUs that have it, else float32."""
     device: str = "auto"
     """Torch device (auto, cpu, cuda, cuda:1, ...)."""
+    quantization: Literal["none", "nf4", "fp4", "int8"] = "none"
+    """Load the base model's linear layers quantized by bitsandbytes (QLoRA: the LoRA adapter trains in float32 over them; the weights take ~1/4 (nf4, fp4) or ~1/2 (int8) of bfloat16's memory); sampling, scoring and the KL reference all run the same quantized forward, the adapter unmerged; export merges into the dequantized base (pip install 'docuchat-rl[quant]')."""
+    bnb_4bit_compute_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """nf4/fp4: the dtype the 4-bit layers compute in (bitsandbytes' name); auto: the model's dtype (float32 on CPUs, bfloat16 on GPUs that have it)."""
+    bnb_4bit_use_double_quant: bool = False
+    """nf4/fp4: quantize the quantization constants too (bitsandbytes' name; ~0.4 bits a weight less)."""
     trust_remote_code: bool = False
     """Run model code shipped with a hub repository (off unless you trust it)."""
     gradient_checkpointing: bool = False
@@ -139,6 +145,18 @@ class ModelConfig(Section):
     """A Jinja chat template file (.jinja) to use in place of the tokenizer's own (TRL's chat_template_path); saved with the tokenizer in every checkpoint and export."""
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Variables every rendering of the chat template gets (TRL's chat_template_kwargs, e.g. {enable_thinking: false}): set once in the template itself, so training, evaluation, SFT, chat and export all render with them."""
+
+    @model_validator(mode="after")
+    def _quantized(self) -> ModelConfig:
+        four = self.quantization in ("nf4", "fp4")
+        moved = [k for k in ("bnb_4bit_compute_dtype", "bnb_4bit_use_double_quant")
+                 if getattr(self, k) != ModelConfig.model_fields[k].default]
+        if moved and not four:
+            raise ValueError(f"model.{moved[0]} applies to model.quantization nf4 or fp4, not {self.quantization}")
+        if self.quantization != "none" and self.dtype in ("bf16-mixed", "float16"):
+            raise ValueError(f"model.quantization {self.quantization} with model.dtype {self.dtype}: a quantized base "
+                             "runs its other weights in float32, bfloat16 or bf16-autocast")
+        return self
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -376,7 +394,7 @@ class RolloutConfig(Section):
     top_k: int = Field(0, ge=0)
     """Top-k sampling (0 = off); the trainer scores the same truncated distribution."""
     generation_batch_size: CountOrAuto = AUTO
-    """Most completion rows per generate call (bounds memory); a step makes ceil(P*G / this) calls; auto: 64 on CPUs, 256 on GPUs (measured on 2 CPU cores and one H100: docs/performance.md)."""
+    """Most completion rows per generate call (bounds memory); a step makes ceil(P*G / this) calls; auto: as many whole groups as half the memory free once the model is loaded holds at the model's bytes a row (keys and values at the longest prompt + max_new_tokens, the draw's logits), at most 64 on CPUs and 256 on GPUs (measured on 2 CPU cores and one H100: docs/performance.md); not even one group: one line before anything is allocated."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards all agree and sample more prompts to refill."""
     max_resample_rounds: int = Field(4, ge=1)
@@ -813,6 +831,17 @@ class Config(Section):
         elif r.sharded_generation:
             raise ValueError("rollout.tools and rollout.environment_factory cannot be used with "
                              "rollout.sharded_generation (its processes decode in lockstep, turns differ per row)")
+        quantized = self.model.quantization != "none"
+        if quantized:  # (paths that read a layer's weight matrix itself: a 4- or 8-bit one is packed, not a weight)
+            on = [k for k, v in (("rollout.grouped_decode", r.grouped_decode), ("rollout.cuda_graphs", r.cuda_graphs),
+                                 ("rollout.merge_adapter", r.merge_adapter), ("lora.fused", self.lora.fused))
+                  if v is True]
+            if on:
+                why = ("a merged copy of a quantized weight would be another model than the one trained"
+                       if on[0] == "rollout.merge_adapter" else "it reads each layer's weight matrix, which a quantized "
+                       "layer packs")
+                raise ValueError(f"{on[0]} does not combine with model.quantization {self.model.quantization}: {why} "
+                                 f"(leave {on[0]} auto: off with a quantized base)")
         if r.correction_min >= r.correction_max:
             raise ValueError(f"rollout.correction_min ({r.correction_min}) must be below rollout.correction_max "
                              f"({r.correction_max})")
@@ -850,11 +879,12 @@ class Config(Section):
         Idempotent; model.dtype's auto is decided where the model loads (modeling.resolve_dtype)."""
         cpu = device_type == "cpu"
         r, o = self.rollout, self.optim
+        quantized = self.model.quantization != "none"  # (the paths that read weight matrices: off, _combinations)
 
         def pick(value, on, off):
             return (on if cpu else off) if value == AUTO else value
 
-        graphs = pick(r.cuda_graphs, False, r.engine in (AUTO, "fast") and not r.sharded_generation)
+        graphs = pick(r.cuda_graphs, False, r.engine in (AUTO, "fast") and not r.sharded_generation and not quantized)
         engine = pick(r.engine, "fast", "fast" if graphs else "hf")  # (graphs are the fast loop's)
         if r.fused_projections and not graphs:
             raise ConfigError(f"rollout.fused_projections fuses the static decode step's projections, and "
@@ -866,12 +896,14 @@ class Config(Section):
                               "rollout.cuda_graphs=true with it (on a CPU the step then runs compiled, without "
                               "graphs)"))
         rollout = r.model_copy(update={  # (grouped decode is the fast loop's: never on under the hf engine)
-            "engine": engine, "cuda_graphs": graphs, "grouped_decode": pick(r.grouped_decode, engine != "hf", False),
-            "merge_adapter": pick(r.merge_adapter, not r.sharded_generation, not r.sharded_generation),
+            "engine": engine, "cuda_graphs": graphs,
+            "grouped_decode": pick(r.grouped_decode, engine != "hf" and not quantized, False),
+            "merge_adapter": pick(r.merge_adapter, not r.sharded_generation and not quantized,
+                                  not r.sharded_generation and not quantized),
             "generation_batch_size": pick(r.generation_batch_size, 64, 256)})
         optim = o.model_copy(update={"share_prompt": pick(o.share_prompt, True, False),
                                      "length_buckets": pick(o.length_buckets, 4, 1)})
-        lora = self.lora.model_copy(update={"fused": pick(self.lora.fused, True, False)})
+        lora = self.lora.model_copy(update={"fused": pick(self.lora.fused, not quantized, False)})
         return self.model_copy(update={"rollout": rollout, "optim": optim, "lora": lora})
 
 

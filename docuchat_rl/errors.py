@@ -1,7 +1,8 @@
 """The errors the command line turns into one `docuchat-rl: error: ...` line (exit code 2).
 
 Torch-free, so that the command line can name them without loading the engine. ConfigError lives in
-`config`, DataError in `data`, AuditError in `audit`, RewardError in `rewards`.
+`config`, DataError in `data`, AuditError in `audit`, RewardError in `rewards`. Also here, torch-free too: the
+messages of a library that say nothing to act on, silenced once (`quiet_bitsandbytes`).
 """
 
 
@@ -38,3 +39,17 @@ class ReplayError(ValueError):
 class ToolError(ValueError):
     """Tools or an environment (rollout.tools, rollout.environment_factory) that cannot be loaded or described,
     named by their recipe key."""
+
+
+def quiet_bitsandbytes() -> None:
+    """bitsandbytes' messages that say nothing a user can act on, left unsaid (called at the package's import,
+    before peft imports bitsandbytes): on an AVX512-BF16 CPU, at import, that an optional kernel package
+    (`kernels`, fetched from a hub) is missing; int8's note at every call that it casts float32 inputs to float16;
+    and torch's warning that a CPU 4-bit kernel has no autograd kernel of its own (that kernel is kept out of the
+    run: modeling._no_cpu_packing)."""
+    import logging
+    import warnings
+
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"bitsandbytes::\w+: an autograd kernel was not registered")
+    warnings.filterwarnings("ignore", message=r"MatMul8bitLt: inputs will be cast from")

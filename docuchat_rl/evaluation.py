@@ -139,18 +139,34 @@ def _evaluate_set(model, tokenizer, cfg: Config, examples: list[Example], dist: 
 
 
 def _check_fits(tokenizer, prompts: list[str], examples: list[Example], context: int | None, max_new: int,
-                key: str) -> None:
+                key: str) -> int:
     """Every held-out prompt, with the completion length, fits the model's context (as training's prompts must):
-    one line naming the set and row before anything is generated, never a prompt scored past the model's positions."""
-    if context is None or not prompts:
-        return
+    one line naming the set and row before anything is generated, never a prompt scored past the model's positions.
+    -> the longest prompt's tokens."""
+    if not prompts:
+        return 0
     lengths = [len(ids) for ids in tokenizer(prompts, add_special_tokens=False)["input_ids"]]
+    if context is None:
+        return max(lengths)
     over = [(n, e) for n, e in zip(lengths, examples) if n + max_new > context]
     if over:
         n, e = over[0]
         raise DataError(f"{key}: row {e.prompt_id} has a prompt of {n} tokens, and the model's context of {context} "
                         f"leaves {context - n} for its completion of up to {max_new} (eval.max_new_tokens): "
                         f"{len(over)} of the {len(examples)} rows do not fit; lower eval.max_new_tokens or filter the set")
+    return max(lengths)
+
+
+def _check_rows(model, rows: int, positions: int, device) -> None:
+    """eval.batch_size rows at `positions` fit the memory free now (memory.rows_that_fit), or one line naming the
+    key before anything is generated."""
+    from .memory import bytes_per_row, free_bytes, rows_that_fit
+
+    per_row, free = bytes_per_row(model, positions), free_bytes(device)
+    if rows_that_fit(free, per_row, rows, 1) < rows:
+        raise DataError(f"eval.batch_size {rows}: {rows} rows at {positions} positions need "
+                        f"{per_row * rows / 2**30:.2f} GiB of keys, values and logits, more than half the "
+                        f"{free / 2**30:.2f} GiB free on {device}: lower eval.batch_size (or eval.pass_k with it)")
 
 
 def sampled(hits: list[list[float | None]]) -> dict[str, float | int | None]:
@@ -295,7 +311,9 @@ def _evaluate_rows(model, tokenizer, cfg: Config, reward: CompositeReward, examp
     prompts = [multiturn.prompt_text(x) if multiturn else
                prompt_text(tokenizer, cfg.data, x)
                for x in examples]
-    _check_fits(tokenizer, prompts, examples, getattr(model.config, "max_position_embeddings", None), max_new, key)
+    longest = _check_fits(tokenizer, prompts, examples, getattr(model.config, "max_position_embeddings", None),
+                          max_new, key)
+    _check_rows(model, e.batch_size, longest + max_new, next(model.parameters()).device)
 
     # the rollout's sampling (its loop, switches, merged adapter), greedy, eval's batch size and length
     greedy_decoding = Decoding.of(r, model, lockstep=lockstep is not None, do_sample=False, batch_size=e.batch_size,

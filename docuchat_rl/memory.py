@@ -139,3 +139,79 @@ class TensorBytes:
 
     def __exit__(self, *exc) -> None:
         self._mode.__exit__(*exc)
+
+
+# ------------------------------------------------------------------------------------------ sizing the rollout
+SHARE = 0.5  # of the memory free once the model is loaded, what the rollout's rows may ask for (the update's
+# activations, the optimizer's states and the allocator's slack take the rest)
+
+
+def bytes_per_position(model) -> int:
+    """Bytes one row's keys and values take a position, over every layer: 2 x key/value heads x head size x the
+    cache's element size (the model's compute dtype), from the model's config.
+
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> tiny = LlamaForCausalLM(LlamaConfig(hidden_size=192, num_attention_heads=6, num_key_value_heads=6,
+    ...                                     num_hidden_layers=4, intermediate_size=64, vocab_size=32))
+    >>> bytes_per_position(tiny)  # 4 layers x 2 x 6 heads x 32 x 4 bytes (float32)
+    6144
+    """
+    c = getattr(model, "config", model)
+    c = c.get_text_config() if hasattr(c, "get_text_config") else c
+    heads = getattr(c, "num_attention_heads", 1)
+    kv = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    element = 4
+    for p in model.parameters() if hasattr(model, "parameters") else ():
+        if p.is_floating_point():  # (the first floating weight's: the dtype activations and the cache are kept in)
+            element = p.element_size()
+            break
+    return int(c.num_hidden_layers * 2 * kv * head_dim * element)
+
+
+def bytes_per_row(model, positions: int) -> int:
+    """One generated row's memory at `positions` (prompt + completion): its keys and values, and its float32
+    logits and their softmax over the vocabulary at one step (the draw's), 8 bytes a token of the vocabulary."""
+    c = getattr(model, "config", model)
+    vocab = getattr(c.get_text_config() if hasattr(c, "get_text_config") else c, "vocab_size", 0)
+    return bytes_per_position(model) * positions + 8 * vocab
+
+
+def free_bytes(device: torch.device) -> int:
+    """The memory the device has free now: CUDA's (torch.cuda.mem_get_info), else the host's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def rows_that_fit(free: int, per_row: int, cap: int, group: int) -> int:
+    """The rows a generate call holds within SHARE of `free` bytes at `per_row` bytes a row: at most `cap`, at
+    least a group (a call never splits one), in whole groups; 0 when not even one group fits.
+
+    >>> rows_that_fit(free=100_000, per_row=1_000, cap=256, group=8)  # 50 rows fit: 6 groups of 8
+    48
+    >>> rows_that_fit(free=10**12, per_row=1_000, cap=64, group=8), rows_that_fit(free=10_000, per_row=1_000, cap=64, group=8)
+    (64, 0)
+    """
+    fit = int(free * SHARE) // max(per_row, 1)
+    if fit < group:
+        return 0
+    return min(cap, fit // group * group) if cap >= group else min(cap, fit)
+
+
+def size_rollout(model, rows_cap: int, group: int, positions: int, device: torch.device, key: str) -> int:
+    """`rollout.generation_batch_size: auto` decided from the memory the device has once the model is loaded:
+    `rows_that_fit` at the model's bytes a row; one line naming the keys to change when not one group of
+    `group` rows fits at `positions`, before anything is allocated."""
+    per_row = bytes_per_row(model, positions)
+    free = free_bytes(device)
+    rows = rows_that_fit(free, per_row, rows_cap, group)
+    if rows == 0:
+        need = per_row * group
+        raise MemoryError(f"{key}: a group of {group} rows at {positions} positions needs {need / 2**30:.2f} GiB of "
+                          f"keys, values and logits ({per_row / 2**20:.1f} MiB a row), and {SHARE:.0%} of the "
+                          f"{free / 2**30:.2f} GiB free on {device} is less: lower rollout.num_generations or "
+                          "rollout.max_new_tokens, or load the base quantized (model.quantization)")
+    return rows

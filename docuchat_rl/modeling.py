@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -225,24 +226,96 @@ def in_compute_context(fn):
 def load_model_and_tokenizer(name_or_path: str, dtype: str = "auto", device: str = "auto",
                              trust_remote_code: bool = False, revision: str | None = None,
                              stop_tokens: list[str] | tuple[str, ...] = (), chat_template: str | None = None,
-                             template_kwargs: dict | None = None):
+                             template_kwargs: dict | None = None, quantization=None):
     """(model on the device in the chosen dtype, tokenizer with a pad token and the chat template the recipe
     gives: `set_chat_template`), the `stop_tokens` among the model's EOS ids (add_stop_tokens); a load failure is
-    one line naming the key."""
+    one line naming the key. `quantization`: a `Quantization` (model.quantization's), the linear layers loaded
+    quantized by bitsandbytes on the device."""
     dev = pick_device(device)
     with _quiet_local_load(Path(name_or_path).expanduser().exists()):
-        if is_gguf(name_or_path):  # a llama.cpp file: dequantized into a plain model (gguf.py)
+        if is_gguf(name_or_path) and quantization is not None:  # dequantized, then quantized from a float32 copy
+            model, tok = _gguf_quantized(Path(name_or_path).expanduser(), dtype, dev, quantization)
+        elif is_gguf(name_or_path):  # a llama.cpp file: dequantized into a plain model (gguf.py)
             model, tok = load_gguf(Path(name_or_path).expanduser(), pick_dtype(dtype, dev))
         else:
-            model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code)
+            model, tok = _from_pretrained(name_or_path, pick_dtype(dtype, dev), revision, trust_remote_code,
+                                          quantization, dev)
     return prepare_model(model, tok, dtype, str(dev), stop_tokens, chat_template, template_kwargs)
 
 
-def load_configured(m, dtype: str | None = None, device: str | None = None):
+@dataclass(frozen=True)
+class Quantization:
+    """model.quantization's settings, as bitsandbytes takes them (`config`)."""
+
+    kind: str  # nf4, fp4, int8
+    compute_dtype: str  # nf4/fp4: the 4-bit layers' compute dtype (float32, bfloat16)
+    double_quant: bool  # nf4/fp4: the quantization constants quantized too
+
+    @classmethod
+    def of(cls, m, device: torch.device) -> Quantization | None:
+        """The recipe's model section `m` (config.ModelConfig) on `device`; None for model.quantization none."""
+        if m.quantization == "none":
+            return None
+        compute = m.bnb_4bit_compute_dtype
+        if compute == "auto":  # (the model's own compute dtype: bfloat16 where it runs in bfloat16)
+            compute = "float32" if resolve_dtype(m.dtype, device) == "float32" else "bfloat16"
+        return cls(m.quantization, compute, m.bnb_4bit_use_double_quant)
+
+    def config(self):
+        """transformers' BitsAndBytesConfig (bitsandbytes must be installed: one line otherwise)."""
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise ModelError(f"model.quantization {self.kind} needs bitsandbytes: pip install 'docuchat-rl[quant]'"
+                             ) from None
+        from transformers import BitsAndBytesConfig
+
+        if self.kind == "int8":
+            return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=self.kind,
+                                  bnb_4bit_compute_dtype=getattr(torch, self.compute_dtype),
+                                  bnb_4bit_use_double_quant=self.double_quant)
+
+
+def _no_cpu_packing(model) -> None:
+    """Keep bitsandbytes' 4-bit layers on their dequantize-and-matmul path on every CPU. On an AVX512-BF16 CPU a
+    layer repacks its weight at its first forward in eval mode (the rollout's) and from then on computes through
+    an inference kernel: in bfloat16 whatever bnb_4bit_compute_dtype says, without an autograd kernel, and with an
+    in-place bias add that fails under autograd for a layer with a bias (Qwen2's q/k/v). The sampler and the
+    trainer then computed the same layer in two ways; here both compute it the one way, in the compute dtype."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def is_quantized(model) -> bool:
+    """Whether `model` (or the base under a peft model) was loaded quantized by bitsandbytes."""
+    return bool(getattr(base_model(model), "is_quantized", False) or getattr(model, "is_quantized", False))
+
+
+def _gguf_quantized(path: Path, dtype: str, dev: torch.device, quantization: Quantization):
+    """A GGUF file quantized by bitsandbytes: transformers' GGUF loader dequantizes it (load_gguf), and bitsandbytes
+    quantizes only while from_pretrained reads a folder, so the dequantized weights go through a temporary float32
+    folder (the model's size on disk while it loads), removed after."""
+    import tempfile
+
+    plain, tok = load_gguf(path, torch.float32)
+    with tempfile.TemporaryDirectory(prefix="docuchat-gguf-") as tmp:
+        plain.save_pretrained(tmp)
+        del plain
+        model, _ = _from_pretrained(tmp, pick_dtype(dtype, dev), None, False, quantization, dev, tok)
+    model.config.name_or_path = str(path)
+    return model, tok
+
+
+def load_configured(m, dtype: str | None = None, device: str | None = None, quantized: bool = True):
     """`load_model_and_tokenizer` with every setting of the recipe's model section `m` (config.ModelConfig), in
-    `dtype` and on `device` when given (else m.dtype, m.device): the one call the engine loads a model with."""
-    return load_model_and_tokenizer(m.name_or_path, dtype or m.dtype, device or m.device, m.trust_remote_code,
-                                    m.revision, m.stop_tokens, m.chat_template, m.chat_template_kwargs)
+    `dtype` and on `device` when given (else m.dtype, m.device): the one call the engine loads a model with.
+    `quantized=False`: the base as it is stored, whatever model.quantization says (export merges into it)."""
+    dev = pick_device(device or m.device)
+    quantization = Quantization.of(m, dev) if quantized else None
+    return load_model_and_tokenizer(m.name_or_path, dtype or m.dtype, str(dev), m.trust_remote_code, m.revision,
+                                    m.stop_tokens, m.chat_template, m.chat_template_kwargs, quantization)
 
 
 def prepare_model(model, tok, dtype: str = "auto", device: str = "auto", stop_tokens: list[str] | tuple[str, ...] = (),
@@ -266,7 +339,7 @@ def prepare_model(model, tok, dtype: str = "auto", device: str = "auto", stop_to
         enable_mixed(model)
     elif resolved == AUTOCAST:
         enable_autocast(model)
-    return model.to(dev), tok
+    return (model if is_quantized(model) else model.to(dev)), tok  # (a quantized model is placed as it loads)
 
 
 def _jinja(value) -> str:
@@ -387,14 +460,23 @@ def _quiet_local_load(local: bool):
             hf_logging.enable_progress_bar()
 
 
-def _from_pretrained(name_or_path: str, dtype, revision: str | None, trust_remote_code: bool):
-    """(model, tokenizer) by local path or hub id; a failure is one line saying what was tried."""
+def _from_pretrained(name_or_path: str, dtype, revision: str | None, trust_remote_code: bool,
+                     quantization: Quantization | None = None, device: torch.device | None = None, tok=None):
+    """(model, tokenizer) by local path or hub id, quantized on `device` when asked; a failure is one line saying
+    what was tried."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quantized = {}
+    if quantization is not None:  # (bitsandbytes quantizes as the weights are placed: on the run's device)
+        quantized = {"quantization_config": quantization.config(), "device_map": {"": str(device or "cpu")}}
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
-                                                     trust_remote_code=trust_remote_code, revision=revision)
+        tok = tok or AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*kernels-community.*")  # (bitsandbytes' optional CPU kernels)
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                         revision=revision, **quantized)
+        if quantization is not None:
+            _no_cpu_packing(model)
     except (OSError, ValueError) as e:  # transformers reports a missing folder as a ~70-line hub error
         tried = ("a local folder that does not exist" if _looks_local(name_or_path)
                  else "a local folder (none there), then the hub (offline or no such repository)")

@@ -175,6 +175,7 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
     out_dir = Path(cfg.run.output_dir)
     resume_dir = resolve_resume(resume, out_dir) if resume else None  # every folder check before any load
     place = launch(cfg)
+    sized = cfg.rollout.generation_batch_size == "auto"  # (its cap decided here, its rows once the model is loaded)
     # every `auto` decided for this device, once: the switches, and the dtype (a resume compares what they are)
     cfg = cfg.for_device(place.dist.device.type)
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"dtype": place.dtype})})
@@ -189,7 +190,7 @@ def start_run(cfg: Config, resume: str | None = None, examples: list[Example] | 
         if applied and place.dist.is_main and not quiet:
             print(f"docuchat-rl: resuming {resume_dir.name} with changed settings (applied): {'; '.join(applied)}",
                   file=sys.stderr, flush=True)
-        return _build(cfg, out_dir, place, resume_dir, examples, lock, model, held_out or {})
+        return _build(cfg, out_dir, place, resume_dir, examples, lock, model, held_out or {}, sized)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -226,6 +227,10 @@ def launch(cfg: Config) -> Placement:
         raise TrainingError(f"the accelerate config's mixed_precision ({accelerator.mixed_precision}) is not "
                             "used by docuchat-rl, whose model runs in model.dtype: set model.dtype (bfloat16) "
                             "instead and mixed_precision: 'no'")
+    if sharding and cfg.model.quantization != "none":
+        raise TrainingError(f"model.quantization {cfg.model.quantization} with FSDP2 sharding: bitsandbytes' packed "
+                            "weights are not sharded here; use data-parallel processes (accelerate's multi_gpu "
+                            "config), each with the whole quantized model")
     if cfg.rollout.async_lag and sharding:
         raise TrainingError("rollout.async_lag is not built for FSDP2 sharding yet (a worker holds the whole model): "
                             "use data-parallel processes, or set rollout.async_lag=0")
@@ -288,7 +293,8 @@ def _check_newest(out_dir: Path, resume_dir: Path, key: str = "run.output_dir") 
 
 
 def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None, examples: list[Example] | None,
-           lock: RunLock | None, loaded=None, held_out: dict[str, list[Example]] | None = None) -> Run:
+           lock: RunLock | None, loaded=None, held_out: dict[str, list[Example]] | None = None,
+           sized: bool = False) -> Run:
     """Everything after the launch and the folder claim (see the module docstring)."""
     from transformers import set_seed
 
@@ -339,8 +345,10 @@ def _build(cfg: Config, out_dir: Path, place: Placement, resume_dir: Path | None
     prompt_texts = [multiturn.prompt_text(e) if multiturn else
                     prompt_text(tokenizer, cfg.data, e)
                     for e in examples]
-    _check_lengths(cfg, tokenizer, examples, prompt_texts, getattr(model.config, "max_position_embeddings", None),
-                   source)
+    longest = _check_lengths(cfg, tokenizer, examples, prompt_texts,
+                             getattr(model.config, "max_position_embeddings", None), source)
+    if sized:  # rollout.generation_batch_size auto: the rows that fit the memory free now, at most the device's cap
+        cfg = _sized_rollout(cfg, model, longest + cfg.rollout.max_new_tokens, dist)
     reward = build_reward(cfg.rewards)
     ctx = EngineContext(cfg, tokenizer, model, dist, out_dir, place.lockstep, place.sharding is not None)
     kind = get_engine_class(rollout_engine(cfg.rollout))
@@ -563,10 +571,29 @@ def build_optimizer(params, o: OptimConfig, total_updates: int, head: list | Non
     return opt, sched
 
 
+def _sized_rollout(cfg: Config, model, positions: int, dist: Dist) -> Config:
+    """cfg with rollout.generation_batch_size decided from memory (memory.size_rollout), the same on every process
+    (the least any has room for: lockstep decoding makes the same calls everywhere); one line when not one group
+    fits."""
+    from .memory import size_rollout
+
+    r = cfg.rollout
+    said, rows = None, 0
+    try:
+        rows = size_rollout(model, r.generation_batch_size, r.num_generations, positions, dist.device,
+                            "rollout.generation_batch_size auto")
+    except MemoryError as e:
+        said = str(e)
+    rows = -int(dist.max(torch.tensor([-float(rows)])))  # (every process takes part, whatever it found)
+    if rows == 0:
+        raise TrainingError(said or "rollout.generation_batch_size auto: another process has no room for one group")
+    return cfg.model_copy(update={"rollout": r.model_copy(update={"generation_batch_size": rows})})
+
+
 def _check_lengths(cfg: Config, tokenizer, examples: list[Example], prompt_texts: list[str],
-                   context_len: int | None, source: str | None = None) -> None:
+                   context_len: int | None, source: str | None = None) -> int:
     """Every prompt fits data.max_prompt_tokens and, with rollout.max_new_tokens, the model's context; errors name
-    `source` (the training rows' file, or train_dataset)."""
+    `source` (the training rows' file, or train_dataset). -> the longest prompt's tokens."""
     source = source or cfg.data.train
     limit = cfg.data.max_prompt_tokens
     budget = None if context_len is None else context_len - cfg.rollout.max_new_tokens
@@ -586,3 +613,4 @@ def _check_lengths(cfg: Config, tokenizer, examples: list[Example], prompt_texts
                 f"({limit}); raise data.max_prompt_tokens"
                 + (f" (the model's context leaves {budget} after rollout.max_new_tokens)" if budget is not None else "")
                 + ", shorten the prompt or filter the data")
+    return max(lengths, default=0)

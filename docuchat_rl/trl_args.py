@@ -163,10 +163,41 @@ def _model_init(v, a) -> dict:
             out["model.dtype"] = dtypes[name]
         elif key in ("trust_remote_code", "revision"):
             out[f"model.{key}"] = value
+        elif key == "quantization_config":
+            out.update(quantization_of(value))
         else:
             raise _refuse("model_init_kwargs", v, f"{key!r} is not built here (its dtype, trust_remote_code and "
                                                   "revision are; or load the model yourself and pass it)")
     return out
+
+
+def quantization_of(q) -> dict:
+    """transformers' BitsAndBytesConfig (TRL's `model_init_kwargs={"quantization_config": ...}`, its QLoRA) as our
+    model.quantization keys; a setting we do not have is refused naming it."""
+    from transformers import BitsAndBytesConfig
+
+    if isinstance(q, dict):
+        q = BitsAndBytesConfig(**q)
+    if not isinstance(q, BitsAndBytesConfig):
+        raise ConfigError(f"args.model_init_kwargs: quantization_config {type(q).__name__}: bitsandbytes' "
+                          "BitsAndBytesConfig here (4-bit nf4/fp4 or 8-bit)")
+    default = BitsAndBytesConfig(load_in_4bit=q.load_in_4bit, load_in_8bit=q.load_in_8bit)
+    taken = {"load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "bnb_4bit_compute_dtype",
+             "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage"}
+    for k, v in q.to_dict().items():
+        if k not in taken and k in default.to_dict() and not _same(v, default.to_dict()[k]):
+            raise ConfigError(f"args.model_init_kwargs: quantization_config.{k}={v!r} is not built here (leave it at "
+                              f"bitsandbytes' default)")
+    if q.load_in_8bit:
+        return {"model.quantization": "int8"}
+    if not q.load_in_4bit:
+        return {}
+    compute = str(q.bnb_4bit_compute_dtype).removeprefix("torch.")
+    if compute not in ("float32", "bfloat16"):
+        raise ConfigError(f"args.model_init_kwargs: quantization_config.bnb_4bit_compute_dtype={compute}: float32 or "
+                          "bfloat16 here")
+    return {"model.quantization": q.bnb_4bit_quant_type, "model.bnb_4bit_compute_dtype": compute,
+            "model.bnb_4bit_use_double_quant": bool(q.bnb_4bit_use_double_quant)}
 
 
 def _chat_template_path(v, a) -> dict:

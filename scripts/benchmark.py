@@ -109,6 +109,7 @@ def settings_args(a) -> list[str]:
             *(["--config", str(a.config)] if a.config else []), "--trl-dtype", a.trl_dtype,
             *(["--keep", str(a.keep)] if a.keep else []), *(["--ours", str(a.ours)] if a.ours else []),
             *(["--tools"] if a.tools else []), *(["--tensor-memory"] if a.tensor_memory else []),
+            *(["--trl-quantization", a.trl_quantization] if a.trl_quantization != "none" else []),
             *[x for s in a.overrides for x in ("--set", s)]]
 
 
@@ -209,26 +210,29 @@ def peak_mb() -> float:
 # Published shapes for `--shape` (random weights, data/model's tokenizer; no hub here): hidden, MLP, layers,
 # heads, KV heads, vocabulary. qwen2-tiny is the same path at a CPU's size, to check the script before a GPU run.
 SHAPES = {"qwen2.5-0.5b": (896, 4864, 24, 14, 2, 151_936), "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151_936),
-          "qwen2-tiny": (64, 128, 2, 4, 2, 151_936)}
+          "qwen2.5-3b": (2048, 11008, 36, 16, 2, 151_936), "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152_064),
+          "qwen2-tiny": (64, 128, 2, 4, 2, 151_936)}  # (hidden, mlp, layers, heads, key/value heads, vocabulary)
 
 
-def build_shape(name: str, folder: Path) -> Path:
+def build_shape(name: str, folder: Path, layers: int | None = None) -> Path:
     """A random-weight Qwen2 model of a published shape (tied embeddings, bfloat16 on disk) with the embedded
-    default's tokenizer, saved to `folder`. Its completions are noise (every token id above the tokenizer's 544
+    default's tokenizer, saved to `folder`; `layers`: that many decoder layers instead of the shape's (the memory
+    table measures a few and extrapolates). Its completions are noise (every token id above the tokenizer's 544
     decodes to nothing): for timing only, at fixed length."""
     import shutil
 
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    hidden, mlp, layers, heads, kv, vocab = SHAPES[name]
+    hidden, mlp, full, heads, kv, vocab = SHAPES[name]
+    layers = layers or full
     config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
                          max_position_embeddings=32_768, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                          rms_norm_eps=1e-6, eos_token_id=3, pad_token_id=1, bos_token_id=None)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)  # (tied: Qwen2.5-7B's head is its own, 0.5 GB more)
     model.generation_config = GenerationConfig(eos_token_id=3, pad_token_id=1)
     model.save_pretrained(folder)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -345,7 +349,13 @@ def _run_trl(a, cfg, held) -> dict:
     from rewards import build_reward
 
     gpu = torch.cuda.is_available()
-    model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cuda" if gpu else "cpu")
+    quantized = None
+    if a.trl_quantization != "none":  # (TRL's QLoRA: the model loaded with a BitsAndBytesConfig, peft's k-bit path)
+        from docuchat_rl.modeling import Quantization
+
+        quantized = Quantization(a.trl_quantization, a.trl_dtype, False)
+    model, tok = load_model_and_tokenizer(str(ROOT / cfg.model.name_or_path), a.trl_dtype, "cuda" if gpu else "cpu",
+                                          quantization=quantized)
     rows = load_examples(str(ROOT / cfg.data.train), "train", cfg.data.prompt_column, cfg.data.answer_column)
     order = prompt_order(len(rows), a)
     tools = [load_object(spec, "rollout.tools") for spec in cfg.rollout.tools] if a.tools else None
@@ -794,6 +804,8 @@ def main() -> None:
                     "(TRL: float32 weights, bf16=True for a bf16 one)")
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)  # (an sft worker's)
     ap.add_argument("--rows-file", default=None, help=argparse.SUPPRESS)  # (an sft worker's examples)
+    ap.add_argument("--trl-quantization", choices=["none", "nf4", "int8"], default="none",
+                    help="TRL's side loads its model quantized by bitsandbytes (its QLoRA; ours: --set model.quantization)")
     ap.add_argument("--tensor-memory", action="store_true",
                     help="also count each side's tensors alive per phase (memory.TensorBytes: what CUDA's allocated "
                          "memory counts, on any device; slows both sides alike)")

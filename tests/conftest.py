@@ -92,6 +92,30 @@ def train_here(recipe: Path | None, sets: list[str], resume: str | None = None, 
         torch.set_num_threads(threads)
 
 
+def killed_and_resumed(sets, root: Path, after_checkpoint: int) -> tuple[Path, Path, str]:
+    """`docuchat-rl train` with `sets(out)`'s arguments run whole into root/whole, and again into root/cut killed
+    with -9 once checkpoint-`after_checkpoint` is written, then resumed (`--resume latest`) there: (the whole
+    run's folder, the resumed one's, the whole run's stderr); a run that fails is the test's failure."""
+    import os
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "docuchat_rl", "train"]
+    whole = subprocess.run(cmd + sets(root / "whole"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert whole.returncode == 0, whole.stderr[-1500:]
+    out = root / "cut"
+    proc = subprocess.Popen(cmd + sets(out), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / f"checkpoint-{after_checkpoint}").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    resumed = subprocess.run(cmd + sets(out) + ["--resume", "latest"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-1500:]
+    return root / "whole", out, whole.stderr
+
+
 def with_lora(model, target_modules, r: int = 4, alpha: float = 8):
     """`model` with a LoRA adapter whose B matrices are non-zero (as after training), seeded."""
     import torch

@@ -412,34 +412,20 @@ def test_difficulty_state_and_draws_survive_kill_9_and_resume(tmp_path):
     """A run with data.difficulty and dynamic sampling, killed (-9) after a checkpoint and resumed: every step's
     prompts, their traced pass rates and the final pass-rate table equal the uninterrupted run's; groups out of
     the band are dropped; a run without it writes no prompt_pass_rate."""
-    import os
-    import signal
     import subprocess
     import sys
-    import time
 
     from docuchat_rl.outputs import read_jsonl
 
-    from .conftest import ROOT
+    from .conftest import ROOT, killed_and_resumed
 
     def sets(out):
         return [a for s in ("eval.before_and_after=false", "logging.progress=false", "run.threads=1",
                             f"run.output_dir={out}", "run.steps=8", "checkpoint.every=1", "rollout.dynamic_sampling=true",
                             "data.difficulty={replay: 0.5, replay_after: 2, revisit_after: 3}") for a in ("--set", s)]
 
+    _, out, _ = killed_and_resumed(sets, tmp_path, after_checkpoint=4)
     cmd = [sys.executable, "-m", "docuchat_rl", "train"]
-    whole = subprocess.run(cmd + sets(tmp_path / "whole"), cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-1500:]
-    out = tmp_path / "cut"
-    proc = subprocess.Popen(cmd + sets(out), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and not (out / "checkpoint-4").exists() and proc.poll() is None:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    resumed = subprocess.run(cmd + sets(out) + ["--resume", "latest"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-1500:]
 
     def drawn(run):
         return [(r["step"], r["slot"], r["prompt_id"], r["prompt_pass_rate"], r["used"], r["total"])

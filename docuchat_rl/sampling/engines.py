@@ -214,6 +214,11 @@ class VLLMColocated(Engine):
         if ctx.sharded:
             raise TrainingError("rollout.engine vllm loads the whole model in each process: it cannot run with "
                                 "FSDP2 sharding (use accelerate's data-parallel launch, or the fast engine)")
+        if ctx.cfg.model.quantization != "none":  # (before unmergeable, whose reason would name the LoRA layers)
+            raise TrainingError(f"rollout.engine vllm with model.quantization {ctx.cfg.model.quantization}: the "
+                                "colocated engine takes each version merged into its weights, which a quantized base "
+                                "cannot hold (and vLLM's CPU build loads no bitsandbytes model): use rollout.engine "
+                                "fast, or hf on a GPU")
         tied = tied_head_adapted(ctx.model)
         why = unmergeable(ctx.model) or (f"its output head {tied} shares the input embedding's weight (tied), "
                                          "which vLLM restores from the embedding" if tied else None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -165,7 +166,11 @@ def export_merged(cfg: Config, adapter: str | Path, out: str | Path, dtype: str 
         raise FileExistsError(f"export folder {out} is not empty; give a new folder")
     check_adapter_files(adapter)
     m = cfg.model
-    base, tok = load_configured(m, dtype, "cpu")
+    base, tok = load_configured(m, dtype, "cpu", quantized=False)  # (a quantized run's adapter merges into the
+    # base as it is stored: `export` says so, and what it writes is a plain model, not a quantized one)
+    if m.quantization != "none":
+        print(f"docuchat-rl: the adapter was trained over the base quantized ({m.quantization}); it is merged into "
+              f"the base as stored ({m.name_or_path}), dequantized", file=sys.stderr, flush=True)
     lm_head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
     if getattr(base.config, "tie_word_embeddings", False) and lm_head is not None and \
             lm_head.weight is embedding.weight:
